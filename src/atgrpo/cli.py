@@ -1,0 +1,183 @@
+"""The ``atgrpo`` command line: a thin layer over the library.
+
+atgrpo train CONFIG [key=value ...] [--resume]
+atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [key=value ...]
+atgrpo models prepare [--force]
+atgrpo config CONFIG [key=value ...]        print the resolved config
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from rich.console import Console
+
+from atgrpo.config import ConfigError, dump_config, load_config
+from atgrpo.models import ModelError, prepare_default_model, prepare_tiny_model
+
+console = Console(highlight=False)
+
+
+def _quiet_libraries() -> None:
+    # transformers and tokenizers are chatty on stderr; keep the terminal for our lines.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _print_eval(title: str, report: object) -> None:
+    from atgrpo.evaluate import EvalReport
+
+    assert isinstance(report, EvalReport)
+    valid = "  ".join(f"{a} {v:.2f}" for a, v in report.valid_rate.items())
+    console.print(
+        f"[bold]{title}[/]: success {report.success_rate:.1%} on {report.num_tasks} "
+        f"{report.split} tasks  (team return {report.mean_team_return:+.3f}; "
+        f"valid-format rate {valid})"
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from atgrpo.metrics import step_summary
+    from atgrpo.train import train
+
+    cfg = load_config(args.config, args.overrides)
+    console.print(
+        f"[bold]atgrpo train[/] {cfg.run.name}: env {cfg.env.name} "
+        f"({getattr(cfg.env, 'workflow', '')}), model {cfg.model.path}, "
+        f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
+        f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
+    )
+    agents: tuple[str, ...] = ()
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        bar = progress.add_task("training", total=cfg.train.steps)
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            nonlocal agents
+            if not agents:
+                agents = tuple(
+                    k.split("/")[1]
+                    for k in metrics
+                    if k.startswith("reward/") and k.endswith("/mean")
+                )
+            progress.console.print(step_summary(step, cfg.train.steps, metrics, agents))
+            mean = sum(metrics.get(f"reward/{a}/mean", 0.0) for a in agents) / max(1, len(agents))
+            success = metrics.get("rollout/success", 0.0)
+            progress.update(
+                bar, completed=step, description=f"reward {mean:+.2f} success {success:.2f}"
+            )
+
+        result = train(cfg, resume=args.resume, on_step=on_step)
+    if result.eval_before is not None:
+        _print_eval("held-out success before training", result.eval_before)
+    if result.eval_after is not None:
+        _print_eval("held-out success after training ", result.eval_after)
+    if result.checkpoint is not None:
+        console.print(f"checkpoint: {result.checkpoint}")
+    console.print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from atgrpo import checkpoint as ckpt
+    from atgrpo.envs import Split
+    from atgrpo.train import build_runtime, seed_everything
+
+    cfg = load_config(args.config, args.overrides)
+    checkpoint = None
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+        checkpoint = ckpt.latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
+        if checkpoint is None or not (checkpoint / "trainer_state.json").is_file():
+            raise ConfigError(f"--checkpoint {args.checkpoint!r} is not a checkpoint or run folder")
+    seed_everything(cfg.run.seed)
+    rt = build_runtime(cfg, checkpoint)
+    try:
+        report = rt.evaluate(Split(args.split), args.num_tasks or cfg.eval.num_tasks)
+    finally:
+        rt.close()
+    _print_eval(f"{checkpoint or cfg.model.path}", report)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    path = prepare_tiny_model() if args.tiny else prepare_default_model(force=args.force)
+    console.print(f"model ready: {path}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    console.print(dump_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atgrpo", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a team of agents with AT-GRPO")
+    p.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=5")
+    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a config's model or a checkpoint on held-out tasks")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--checkpoint", help="a checkpoint folder or a run folder (uses its latest)")
+    p.add_argument("--split", default="test", choices=["validation", "test"])
+    p.add_argument("--num-tasks", type=int, default=None)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("models", help="prepare the embedded models")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    q = msub.add_parser("prepare", help="convert the embedded default model into the cache")
+    q.add_argument("--force", action="store_true", help="convert again even if cached")
+    q.add_argument("--tiny", action="store_true", help="build the tiny random test model instead")
+    q.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("config", help="print a config with defaults and overrides applied")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, ModelError, FileNotFoundError, FileExistsError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: resume with --resume from the last checkpoint")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

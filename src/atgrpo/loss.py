@@ -1,0 +1,191 @@
+"""PPO-clip policy loss over response tokens, with optional KL and entropy terms.
+
+PAPER.md, AT-GRPO step 4: a PPO-style clipped surrogate (clip 0.2), token-level averaging, no KL
+term in the reference configs; step 5: every (agent, turn) response is its own sequence and its
+scalar advantage applies to all of its response tokens.
+
+Everything here is a pure function over tensors. Shapes: B sequences, T response positions,
+V vocabulary; ``mask`` marks the real response tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import torch
+
+# exp() of a log-ratio above this overflows float32 gradients into inf * 0 = nan; verl clamps
+# the same way. A token this far off-policy is clipped anyway (for A > 0) or dominates (A < 0).
+_MAX_LOG_RATIO = 20.0
+
+
+class LossAggregation(enum.StrEnum):
+    # Sum over all response tokens of the batch / number of tokens: every token weighs the same,
+    # so long responses weigh more (the paper's "token-level averaging").
+    TOKEN_MEAN = "token_mean"
+    # Mean over the tokens of each sequence, then over sequences: every response weighs the same.
+    SEQ_MEAN = "seq_mean"
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # () to backpropagate: pg_loss + kl_coef * kl - entropy_coef * entropy
+    pg_loss: torch.Tensor  # () clipped surrogate, aggregated like the loss; detached
+    kl: torch.Tensor  # () k3 KL to the reference, aggregated like the loss; detached (0 if none)
+    entropy: torch.Tensor  # () aggregated like the loss; detached (0 if none)
+    clip_frac: torch.Tensor  # () fraction of tokens whose gradient the clip removes
+    ratio_mean: torch.Tensor  # () mean of pi / pi_old over tokens
+    approx_kl: torch.Tensor  # () mean of (old - new) log-prob: k1 estimate of KL(old || new)
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # (B, T, V)
+    targets: torch.Tensor,  # (B, T) long
+    temperature: float = 1.0,
+) -> torch.Tensor:  # (B, T) float32
+    """log p(target) under softmax(logits / temperature), in float32.
+
+    The temperature must be the rollout's: the ratio compares the distribution that was sampled
+    (DESIGN.md invariant 3; the reference implementation sampled at one temperature and scored
+    at another).
+    """
+    _check_temperature(temperature)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor,  # (B, T, V)
+    temperature: float = 1.0,
+) -> torch.Tensor:  # (B, T) float32
+    """Entropy of softmax(logits / temperature) at every position, in float32."""
+    _check_temperature(temperature)
+    z = logits.float() / temperature  # (B, T, V)
+    # H = logsumexp(z) - sum_v p_v z_v: no log(0) for tokens with vanishing probability.
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,  # (B, T) current policy, with grad
+    old_logprobs: torch.Tensor,  # (B, T) sampling-time log-probs
+    advantages: torch.Tensor,  # (B,) one per sequence, or (B, T)
+    mask: torch.Tensor,  # (B, T) bool or float: 1 on response tokens
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    aggregation: LossAggregation = LossAggregation.TOKEN_MEAN,
+    ref_logprobs: torch.Tensor | None = None,  # (B, T) frozen reference policy
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,  # (B, T), e.g. entropy_from_logits(...)
+    entropy_coef: float = 0.0,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+) -> LossOutput:
+    """PPO clipped surrogate (PAPER.md, AT-GRPO step 4) with optional KL and entropy terms.
+
+    Per token, with ratio = exp(logprobs - old_logprobs)::
+
+        pg = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
+        kl = exp(ref - lp) - (ref - lp) - 1          (k3 estimator, >= 0)
+        loss_tok = pg + kl_coef * kl - entropy_coef * entropy
+
+    then aggregated with ``aggregation``. ``num_tokens`` (token_mean) and ``num_seqs``
+    (seq_mean) are the normalisers of the *whole* batch for gradient accumulation: summing the
+    losses of micro-batches computed with the full batch's count equals the whole batch's loss.
+    They default to this micro-batch's own counts (sequences with at least one response
+    token); the one the aggregation does not use is ignored.
+
+    Metrics (clip_frac, ratio_mean, approx_kl) are detached means over this micro-batch's
+    masked tokens. Values at masked positions never reach the loss, even if inf or nan.
+    """
+    aggregation = LossAggregation(aggregation)
+    _check_shapes(logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
+    if entropy is not None:
+        _check_shapes(logprobs, entropy=entropy)
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef is set but ref_logprobs is None")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef is set but entropy is None")
+
+    m = mask.bool()  # (B, T)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} must be (B,) or (B, T) for logprobs "
+            f"{tuple(logprobs.shape)}"
+        )
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]  # (B, 1): one scalar per sequence (step 5)
+    adv = advantages.to(logprobs.dtype).expand_as(logprobs)  # (B, T)
+
+    # torch.where, not multiplication: padding may hold inf/nan, and 0 * inf = nan.
+    log_ratio = torch.where(m, logprobs - old_logprobs, zero)  # (B, T)
+    ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()  # (B, T)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    pg_tok = -torch.min(unclipped, clipped)  # (B, T)
+    per_token = pg_tok
+
+    kl_tok = torch.zeros_like(pg_tok)
+    if ref_logprobs is not None:
+        ref_diff = torch.where(m, ref_logprobs - logprobs, zero).clamp(max=_MAX_LOG_RATIO)
+        kl_tok = ref_diff.exp() - ref_diff - 1.0  # (B, T) k3: unbiased and non-negative
+        per_token = per_token + kl_coef * kl_tok
+
+    ent_tok = torch.zeros_like(pg_tok)
+    if entropy is not None:
+        ent_tok = torch.where(m, entropy.to(logprobs.dtype), zero)
+        per_token = per_token - entropy_coef * ent_tok  # a bonus: higher entropy, lower loss
+
+    def aggregate(x: torch.Tensor) -> torch.Tensor:  # (B, T) -> ()
+        x = torch.where(m, x, zero)
+        if aggregation is LossAggregation.TOKEN_MEAN:
+            denom = _normaliser(num_tokens, "num_tokens", int(m.sum()))
+            return x.sum() / denom
+        seq_len = m.sum(dim=-1)  # (B,)
+        seq_mean = x.sum(dim=-1) / seq_len.clamp(min=1)  # (B,): empty rows contribute 0
+        denom = _normaliser(num_seqs, "num_seqs", int((seq_len > 0).sum()))
+        return seq_mean.sum() / denom
+
+    with torch.no_grad():
+        n_tok = m.sum().clamp(min=1)
+
+        def token_mean(x: torch.Tensor) -> torch.Tensor:
+            return torch.where(m, x, zero).sum() / n_tok
+
+        clip_frac = token_mean((clipped < unclipped).to(logprobs.dtype))
+        ratio_mean = token_mean(ratio)
+        approx_kl = token_mean(-log_ratio)
+
+    return LossOutput(
+        loss=aggregate(per_token),
+        pg_loss=aggregate(pg_tok).detach(),
+        kl=aggregate(kl_tok).detach(),
+        entropy=aggregate(ent_tok).detach(),
+        clip_frac=clip_frac,
+        ratio_mean=ratio_mean,
+        approx_kl=approx_kl,
+    )
+
+
+def _normaliser(given: int | None, name: str, own: int) -> int:
+    if given is None:
+        return max(own, 1)  # an empty micro-batch gives loss 0, not nan
+    if given <= 0:
+        raise ValueError(f"{name} must be positive, got {given}")
+    return given
+
+
+def _check_shapes(reference: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    if reference.dim() != 2:
+        raise ValueError(f"logprobs must be (B, T), got {tuple(reference.shape)}")
+    for name, t in tensors.items():
+        if t is not None and t.shape != reference.shape:
+            raise ValueError(
+                f"{name} {tuple(t.shape)} does not match logprobs {tuple(reference.shape)}"
+            )

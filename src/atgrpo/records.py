@@ -1,0 +1,56 @@
+"""Typed records that flow from rollout to update.
+
+One :class:`Sample` is one agent's response at one turn of one task: its own training sequence
+(PAPER.md, "Each (agent, turn) response is its own training sequence"). The rollout fills every
+field except ``advantage``; :func:`atgrpo.advantage.assign_advantages` fills that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    task_id: int  # index of the task in the rollout batch
+    seed: int  # the env seed of the task (which instance it is)
+    agent_id: str
+    turn_idx: int
+    branch_idx: int  # which of the K candidates (tree) or which trajectory (independent)
+    policy_id: str  # the policy that generated it and will be updated with it
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # log-probs of response_ids under the *sampled* distribution
+    team_reward: float
+    local_reward: float
+    reward: float  # alpha * team_reward + local_reward
+    valid: bool  # the completion parsed into a legal action
+    kept: bool = False  # tree sampling: this branch was selected to continue the episode
+    advantage: float = 0.0
+    response_text: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"sample ({self.task_id}, {self.agent_id}, turn {self.turn_idx}): "
+                f"{len(self.logprobs)} log-probs for {len(self.response_ids)} response tokens"
+            )
+
+
+@dataclass
+class EpisodeResult:
+    """How one task's episode ended (after the kept branches)."""
+
+    task_id: int
+    seed: int
+    success: bool
+    num_turns: int
+    team_return: float  # team reward after the last action
+
+
+@dataclass
+class Rollout:
+    samples: list[Sample]
+    episodes: list[EpisodeResult]
+    # For reports: for each (task_id, agent_id, turn_idx) the branch that was kept.
+    kept_branches: dict[tuple[int, str, int], int] = field(default_factory=dict)

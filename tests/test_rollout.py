@@ -1,0 +1,185 @@
+"""Tree and independent rollouts on Plan-Path (DESIGN.md invariants 1, 2, 6).
+
+The generator here is scripted (a test double for the model), so that the rollout's own logic
+is checked on known completions; test_train_smoke.py runs the real tiny model end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from atgrpo.advantage import Grouping, assign_advantages
+from atgrpo.envs import PlanPathConfig, PlanPathEnv
+from atgrpo.generation import Generation
+from atgrpo.rollout import RolloutSettings, collect_rollout
+
+
+class ScriptedGenerator:
+    """Returns the scripted texts in turn for each call; token ids encode the text length."""
+
+    def __init__(self, script: dict[str, list[str]]) -> None:
+        self.script = script
+        self.calls: list[tuple[str, list[list[int]]]] = []
+
+    def generate(self, prompts, *, max_new_tokens, temperature):
+        role = "tool" if self._is_tool(prompts[0]) else "planner"
+        self.calls.append((role, prompts))
+        texts = self.script[role]
+        out = []
+        for i, _ in enumerate(prompts):
+            text = texts[i % len(texts)]
+            ids = [min(ord(c), 255) for c in text[:max_new_tokens]] or [0]
+            out.append(Generation(ids, [-1.0] * len(ids), text, finished=True))
+        return out
+
+    @staticmethod
+    def _is_tool(prompt: list[int]) -> bool:
+        return bytes(t for t in prompt if t < 256).find(b"Python program") >= 0
+
+
+def encode(messages):
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return list(text.encode("utf-8", "replace"))
+
+
+def _envs(n: int, workflow: str = "mas", seed0: int = 0) -> list[PlanPathEnv]:
+    cfg = PlanPathConfig(grid_size=4, wall_ratio=0.1, workflow=workflow, max_turns=2)
+    envs = []
+    for i in range(n):
+        env = PlanPathEnv(cfg)
+        env.reset(seed=seed0 + i)
+        envs.append(env)
+    return envs
+
+
+def _run(envs, gen, width=3, tree=True):
+    settings = RolloutSettings(
+        width=width,
+        tree=tree,
+        temperature=1.0,
+        max_new_tokens={"tool": 64, "planner": 64},
+        alpha=0.7,
+    )
+    with ThreadPoolExecutor(4) as pool:
+        return collect_rollout(
+            envs,
+            list(range(len(envs))),
+            generators={"shared": gen},
+            policy_of={"tool": "shared", "planner": "shared"},
+            encode=encode,
+            settings=settings,
+            pool=pool,
+        )
+
+
+PLANS = ["Moves: U", "Moves: D D", "no answer here", "Moves: L R", "Moves: R"]
+PROGRAMS = ['```python\nprint("U")\n```', "I cannot", '```python\nprint("D R")\n```']
+
+
+def test_tree_groups_share_prompts_and_keep_the_best_branch() -> None:
+    gen = ScriptedGenerator({"tool": PROGRAMS, "planner": PLANS})
+    rollout = _run(_envs(3), gen, width=3)
+    # Invariant 1: with agent_turn grouping every group holds K samples of one prompt.
+    assign_advantages(rollout.samples, Grouping.AGENT_TURN, require_identical_prompts=True)
+    groups: dict[tuple[int, str, int], list] = {}
+    for s in rollout.samples:
+        groups.setdefault((s.task_id, s.agent_id, s.turn_idx), []).append(s)
+    assert all(len(g) == 3 for g in groups.values())
+    for key, group in groups.items():
+        kept = [s for s in group if s.kept]
+        assert len(kept) == 1
+        assert kept[0].reward == max(s.reward for s in group)
+        assert rollout.kept_branches[key] == kept[0].branch_idx
+    # Agents act sequentially: per turn, the tool's call comes before the planner's.
+    roles = [role for role, _ in gen.calls]
+    assert roles[:2] == ["tool", "planner"]
+
+
+def test_planner_sees_the_kept_tool_branch() -> None:
+    # Branch 2's program prints the best plan for some tasks; whichever wins, the planner's
+    # prompt must show the kept program, not another branch's.
+    gen = ScriptedGenerator({"tool": PROGRAMS, "planner": PLANS})
+    rollout = _run(_envs(2), gen, width=3)
+    tool_turn0 = [s for s in rollout.samples if s.agent_id == "tool" and s.turn_idx == 0]
+    planner_prompts = [p for role, ps in gen.calls if role == "planner" for p in ps]
+    for task_id in (0, 1):
+        kept = next(s for s in tool_turn0 if s.task_id == task_id and s.kept)
+        prompt = bytes(t for t in planner_prompts[task_id * 3] if t < 256).decode()
+        if "print" in kept.response_text:
+            assert kept.response_text.split("\n")[1] in prompt
+        else:
+            assert "no program" in prompt
+
+
+def test_branches_do_not_share_state() -> None:
+    env = _envs(1)[0]
+    a, b = env.clone(), env.clone()
+    a.step('```python\nprint("U")\n```')
+    a.step("Moves: D D R")
+    assert b.turn_idx == 0 and b.agent_selection == "tool"
+    assert b.position == env.position == env.instance.start
+    assert a.position != b.position or a.turn_idx != b.turn_idx
+
+
+def test_independent_sampling_runs_k_trajectories() -> None:
+    gen = ScriptedGenerator({"tool": PROGRAMS, "planner": PLANS})
+    rollout = _run(_envs(2), gen, width=2, tree=False)
+    assert len(rollout.episodes) == 4  # 2 tasks x 2 trajectories
+    assert {(s.task_id, s.branch_idx) for s in rollout.samples} == {
+        (t, k) for t in range(2) for k in range(2)
+    }
+    assign_advantages(rollout.samples, Grouping.TRAJECTORY)
+
+
+MALFORMED = [
+    "",
+    "\x00\x01\x02 garbage \ufffd",
+    "Moves: " + "X" * 200_000,
+    "\ud800\udfff lone surrogates",
+    "Moves: U" * 50_000,
+    "```python\n",
+]
+
+
+def test_malformed_completions_do_not_crash_a_rollout() -> None:
+    gen = ScriptedGenerator({"tool": MALFORMED, "planner": MALFORMED})
+    rollout = _run(_envs(2), gen, width=len(MALFORMED))
+    assert len(rollout.samples) > 0
+    for s in rollout.samples:
+        assert s.reward == s.reward  # not NaN
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="full isolation needs root (setuid, namespaces)")
+def test_hostile_tool_programs_do_not_crash_a_rollout(monkeypatch) -> None:
+    monkeypatch.setenv("ATGRPO_TEST_SECRET", "hunter2-secret")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    hostile = [
+        "```python\nwhile True:\n    pass\n```",
+        "```python\nx = bytearray(10**10)\n```",
+        "```python\nimport os\nprint(os.environ)\n"
+        "print(open(f'/proc/{os.getppid()}/environ').read())\n```",
+        "```python\nimport socket\n"
+        f"socket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('R')\n```",
+    ]
+    cfg = PlanPathConfig(
+        grid_size=4, wall_ratio=0.1, workflow="mas", max_turns=1, sandbox_wall_time_s=1.5
+    )
+    env = PlanPathEnv(cfg)
+    env.reset(seed=0)
+    gen = ScriptedGenerator({"tool": hostile, "planner": ["Moves: U"]})
+    try:
+        rollout = _run([env], gen, width=len(hostile))
+    finally:
+        listener.close()
+    tool = [s for s in rollout.samples if s.agent_id == "tool"]
+    assert len(tool) == len(hostile)
+    assert all(not s.valid and s.local_reward == -cfg.format_penalty for s in tool)
+    planner_prompt = bytes(t for t in gen.calls[-1][1][0] if t < 256).decode()
+    assert "hunter2-secret" not in planner_prompt

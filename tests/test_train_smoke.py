@@ -1,0 +1,139 @@
+"""The whole loop for a couple of steps on the tiny model: update, metrics, checkpoint, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from atgrpo.config import load_config
+from atgrpo.loss import LossAggregation
+from atgrpo.models import build_tiny_model
+from atgrpo.policies import build_policy
+from atgrpo.records import Sample
+from atgrpo.train import train
+from atgrpo.update import UpdateSettings, ppo_update
+from conftest import REPO
+
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def _cfg(tmp_path: Path, name: str, *extra: str):
+    # The tiny random model never writes a valid action, so every group has equal rewards;
+    # an entropy bonus and keeping zero-advantage samples make the update move the weights.
+    return load_config(
+        TINY,
+        [
+            f"run.output_dir={tmp_path}",
+            f"run.name={name}",
+            "algo.entropy_coef=0.01",
+            "algo.skip_zero_advantage=false",
+            *extra,
+        ],
+    )
+
+
+def _params(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_two_steps_train_write_metrics_and_checkpoint_then_resume(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "smoke")
+    result = train(cfg)
+    assert result.steps_done == 2
+    lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    first = json.loads(lines[0])
+    assert "reward/tool/mean" in first and "reward/planner/mean" in first
+    assert first["loss/skipped"] == 0.0
+    ckpt = cfg.run_dir / "checkpoints" / "step-000002"
+    assert (ckpt / "policy-shared" / "model.safetensors").is_file()
+    assert (ckpt / "policy-shared" / "optim.pt").is_file()
+    assert (cfg.run_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
+
+    initial, _ = build_tiny_model(seed=0)
+    trained = _params(ckpt / "policy-shared")
+    changed = [
+        k
+        for k, v in initial.state_dict().items()
+        if k in trained and not torch.equal(v, trained[k])
+    ]
+    assert changed, "no parameter changed after two training steps"
+
+    more = _cfg(tmp_path, "smoke", "train.steps=3")
+    resumed = train(more, resume=True)
+    assert resumed.steps_done == 3
+    steps = [
+        json.loads(x)["step"] for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3]
+
+
+def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    straight = train(_cfg(tmp_path, "straight"))
+    train(_cfg(tmp_path, "split", "train.steps=1"))
+    resumed = train(_cfg(tmp_path, "split"), resume=True)
+    a = _params(straight.checkpoint / "policy-shared")
+    b = _params(resumed.checkpoint / "policy-shared")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _samples(policy, advantage: float, n: int = 4) -> list[Sample]:
+    tok = policy.tokenizer
+    prompt = tok("Moves?", add_special_tokens=False)["input_ids"]
+    gens = []
+    from atgrpo.generation import HFGenerator
+
+    torch.manual_seed(0)
+    gens = HFGenerator(policy.model, tok).generate([prompt] * n, max_new_tokens=6, temperature=1.0)
+    return [
+        Sample(
+            0,
+            0,
+            "planner",
+            0,
+            k,
+            "shared",
+            prompt,
+            g.token_ids,
+            g.logprobs,
+            0.0,
+            0.0,
+            0.0,
+            True,
+            advantage=advantage if k % 2 else -advantage,
+        )
+        for k, g in enumerate(gens)
+    ]
+
+
+def _settings() -> UpdateSettings:
+    return UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 2, 1.0)
+
+
+def test_first_update_has_ratio_one_and_changes_weights(tmp_path: Path) -> None:
+    policy = build_policy(_cfg(tmp_path, "unit"))
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    stats = ppo_update(policy, _samples(policy, 1.0), _settings())
+    assert not stats.skipped
+    assert math.isclose(stats.ratio_mean, 1.0, abs_tol=1e-4)
+    assert stats.clip_frac == 0.0
+    after = policy.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_nan_loss_skips_the_update_and_keeps_the_weights(tmp_path: Path) -> None:
+    policy = build_policy(_cfg(tmp_path, "nan"))
+    samples = _samples(policy, 1.0)
+    samples[0].advantage = float("nan")
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    stats = ppo_update(policy, samples, _settings())
+    assert stats.skipped and "non-finite" in stats.reason
+    after = policy.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
