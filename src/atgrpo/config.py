@@ -132,7 +132,7 @@ EnvConfig = Annotated[PlanPathConfig, Field(discriminator="name")]
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)  # type: ignore[arg-type]
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
-    env: EnvConfig = Field(default_factory=PlanPathConfig)  # type: ignore[arg-type]
+    env: EnvConfig = Field(default_factory=PlanPathConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # type: ignore[arg-type]
     algo: AlgoConfig = Field(default_factory=AlgoConfig)  # type: ignore[arg-type]
     train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]

@@ -225,7 +225,7 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
                 metrics.update(stats.metrics(prefix))
             metrics["perf/rollout_s"] = t_rollout
             metrics["perf/update_s"] = time.perf_counter() - t0 - t_rollout
-            metrics["perf/lr"] = next(iter(rt.policies.values())).scheduler.get_last_lr()[0]
+            metrics["perf/lr"] = float(next(iter(rt.policies.values())).scheduler.get_last_lr()[0])
             if cfg.eval.every and step % cfg.eval.every == 0:
                 metrics.update(rt.evaluate(Split.VALIDATION, cfg.eval.num_tasks).metrics())
             metrics["perf/step_s"] = time.perf_counter() - t0

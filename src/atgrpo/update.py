@@ -166,9 +166,9 @@ def ppo_update(
         out.loss.backward()
         share = float(batch.mask.sum()) / num_tokens
         for k in totals:
-            totals[k] += float(getattr(out, k))
+            totals[k] += float(getattr(out, k).detach())
         for k in weighted:
-            weighted[k] += float(getattr(out, k)) * share
+            weighted[k] += float(getattr(out, k).detach()) * share
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip))
     if not torch.isfinite(torch.tensor(grad_norm)):
         policy.optimizer.zero_grad(set_to_none=True)

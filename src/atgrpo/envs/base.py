@@ -1,0 +1,154 @@
+"""The multi-agent environment interface.
+
+Modelled on PettingZoo's turn-based (AEC) API so that users recognise it:
+``possible_agents``, ``agents``, ``agent_selection``, ``reset(seed=, options=)``, and per-agent
+``terminations`` / ``truncations`` / ``infos`` dictionaries. Three additions serve AT-GRPO:
+
+* ``clone()`` returns an independent deep copy of the whole state, so tree sampling can apply
+  each of K candidate responses to its own copy (DESIGN.md, invariant 2);
+* ``step(action)`` returns a :class:`StepOutcome` with a **team** reward (the whole system's
+  progress) and a **local** reward (the acting role's own contribution); the trainer mixes them
+  as ``alpha * team + local`` (PAPER.md, "Mixed rewards");
+* ``observe(agent_id)`` returns chat messages, and the action is the raw completion string.
+  Parsing a completion never raises: a malformed one is an invalid action with the penalty the
+  env documents.
+
+The turn order of roles, the number of turns and the termination rule are data (a
+:class:`Workflow`), so one env class runs as a single agent or as a multi-agent system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Self, runtime_checkable
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """Who acts, in which order, for how many turns.
+
+    One *turn* is every agent of ``agents`` acting once, in order. The episode ends when the
+    env reports termination (task solved or failed for good) or after ``max_turns`` turns
+    (truncation).
+    """
+
+    name: str
+    agents: tuple[str, ...]  # turn order
+    max_turns: int
+
+    def __post_init__(self) -> None:
+        if not self.agents:
+            raise ValueError(f"workflow {self.name!r} has no agents")
+        if len(set(self.agents)) != len(self.agents):
+            raise ValueError(f"workflow {self.name!r} lists an agent twice: {self.agents}")
+        if self.max_turns < 1:
+            raise ValueError(
+                f"workflow {self.name!r}: max_turns must be >= 1, got {self.max_turns}"
+            )
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one agent's action did.
+
+    ``team_reward`` and ``local_reward`` are the two terms of the mixed reward
+    ``alpha * team + local``; each env's docstring gives their formulas. ``valid`` is False when
+    the completion could not be parsed into an action (or the action was illegal as a whole);
+    ``info`` carries env-specific diagnostics (JSON-serialisable) for logs and reports.
+    """
+
+    team_reward: float
+    local_reward: float
+    valid: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class MultiAgentEnv(Protocol):
+    """A turn-based multi-agent environment whose actions are LLM completions."""
+
+    workflow: Workflow
+    possible_agents: tuple[str, ...]
+    agents: list[str]  # agents still acting; empty once the episode is over
+    agent_selection: str  # the agent whose turn it is
+    turn_idx: int  # index of the current turn, starting at 0
+    terminations: dict[str, bool]
+    truncations: dict[str, bool]
+    infos: dict[str, dict[str, Any]]
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
+        """Start a new episode; the same seed gives the same task."""
+        ...
+
+    def observe(self, agent_id: str) -> list[Message]:
+        """The chat messages that form ``agent_id``'s prompt in the current state."""
+        ...
+
+    def step(self, action: str) -> StepOutcome:
+        """Apply the completion of ``agent_selection``; never raises on a malformed action."""
+        ...
+
+    def clone(self) -> Self:
+        """An independent copy: mutating it never changes ``self``."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """True once every agent is terminated or truncated."""
+        ...
+
+    @property
+    def success(self) -> bool:
+        """Strict task success of the episode so far (a timeout is never success)."""
+        ...
+
+
+class TurnBasedEnv:
+    """Bookkeeping shared by envs: turn order, turn counter, terminations and truncations.
+
+    A concrete env subclasses this (one level), calls :meth:`_start_episode` from ``reset`` and
+    :meth:`_advance` at the end of ``step`` with whether the task has ended. ``clone`` must copy
+    every mutable attribute; ``copy.deepcopy(self)`` is the simple correct default.
+    """
+
+    workflow: Workflow
+
+    def __init__(self, workflow: Workflow) -> None:
+        self.workflow = workflow
+        self.possible_agents = workflow.agents
+        self.agents: list[str] = []
+        self.agent_selection = workflow.agents[0]
+        self.turn_idx = 0
+        self.terminations: dict[str, bool] = {a: False for a in workflow.agents}
+        self.truncations: dict[str, bool] = {a: False for a in workflow.agents}
+        self.infos: dict[str, dict[str, Any]] = {a: {} for a in workflow.agents}
+
+    def _start_episode(self) -> None:
+        self.agents = list(self.possible_agents)
+        self.agent_selection = self.possible_agents[0]
+        self.turn_idx = 0
+        self.terminations = {a: False for a in self.possible_agents}
+        self.truncations = {a: False for a in self.possible_agents}
+        self.infos = {a: {} for a in self.possible_agents}
+
+    def _advance(self, task_over: bool) -> None:
+        """Hand the turn to the next agent; end the episode on ``task_over`` or the turn limit."""
+        if not self.agents:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        order = self.possible_agents
+        pos = order.index(self.agent_selection)
+        if pos == len(order) - 1:
+            self.turn_idx += 1
+        self.agent_selection = order[(pos + 1) % len(order)]
+        if task_over:
+            self.terminations = {a: True for a in order}
+            self.agents = []
+        elif self.turn_idx >= self.workflow.max_turns:
+            self.truncations = {a: True for a in order}
+            self.agents = []
+
+    @property
+    def done(self) -> bool:
+        return not self.agents

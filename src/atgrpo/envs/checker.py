@@ -1,0 +1,201 @@
+"""``check_env``: the API checker for multi-agent envs, shipped so that users test their own
+envs the way the library tests its own (in the spirit of PettingZoo's ``api_test``).
+
+    from atgrpo.envs import check_env, make_env
+    check_env(make_env(cfg))  # raises EnvCheckError naming the first failed property
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from atgrpo.envs.base import MultiAgentEnv, StepOutcome
+
+ROLES = ("system", "user", "assistant")
+
+# Completions every env must survive without raising (DESIGN.md invariant 6).
+MALFORMED_ACTIONS: tuple[str, ...] = (
+    "",
+    "garbage",
+    "x" * 1_000_000,  # 1 MB
+    "\x00\x1b[2J\ud800 bad \udfff\x7f\ufffe\r\n\t",  # control characters, lone surrogates
+)
+# A completion that looks like a valid action of a code-writing or move-giving role.
+VALID_LOOKING_ACTION = "```python\nprint('R D')\n```\nMoves: R D\nAnswer: 1"
+
+
+class EnvCheckError(AssertionError):
+    """An env broke a property of the interface; the message names the property."""
+
+
+def check_env(
+    env: MultiAgentEnv,
+    seeds: Sequence[int] = (0, 1, 2),
+    reset_options: Mapping[str, Any] | None = None,
+    actions: Sequence[str] = (*MALFORMED_ACTIONS, VALID_LOOKING_ACTION),
+    drive_action: str = "garbage",
+) -> None:
+    """Check ``env`` against the :class:`MultiAgentEnv` contract; ``None`` when all pass.
+
+    For each seed: reset is deterministic (same observations twice), observations are chat
+    messages, and then an episode is played with ``drive_action`` (which should never solve the
+    task) for at most ``max_turns * len(agents)`` steps. Before every step, each of ``actions``
+    is applied to its own clone: it must not raise and must return a :class:`StepOutcome` with
+    finite rewards and a JSON-serialisable info, and stepping a clone must leave the original
+    and a sibling clone unchanged.
+    """
+    options = dict(reset_options) if reset_options is not None else None
+    agents = tuple(env.possible_agents)
+    _require(
+        len(agents) > 0 and all(isinstance(a, str) for a in agents),
+        "possible_agents must be a non-empty sequence of str",
+    )
+    max_steps = env.workflow.max_turns * len(env.workflow.agents)
+    for seed in seeds:
+        env.reset(seed=seed, options=options)
+        first = _snapshot(env)
+        env.reset(seed=seed, options=options)
+        _require(
+            _snapshot(env) == first,
+            f"reset(seed={seed}) is not deterministic: two resets gave different observations",
+        )
+        for step_idx in range(max_steps):
+            _check_state(env, f"seed {seed}, step {step_idx}")
+            for action in actions:
+                _check_action_on_clone(env, action, f"seed {seed}, step {step_idx}")
+            _check_step(env, drive_action, f"seed {seed}, step {step_idx}")
+            if env.done:
+                break
+        where = f"seed {seed}"
+        _require(env.done, f"{where}: episode not over after max_turns * len(agents) = {max_steps}")
+        _check_state(env, f"{where}, after the episode")
+        _require(
+            all(env.terminations[a] or env.truncations[a] for a in agents),
+            f"{where}: episode is over but some agent is neither terminated nor truncated",
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise EnvCheckError(message)
+
+
+def _short(action: str) -> str:
+    return repr(action[:40]) + (f"... ({len(action)} chars)" if len(action) > 40 else "")
+
+
+def _observe(env: MultiAgentEnv, agent_id: str, where: str) -> list[Any]:
+    try:
+        return env.observe(agent_id)
+    except Exception as exc:  # reported with where it happened, not swallowed
+        raise EnvCheckError(
+            f"{where}: observe({agent_id!r}) raised {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _check_observation(messages: object, agent_id: str, where: str) -> None:
+    ok = (
+        isinstance(messages, list)
+        and len(messages) > 0
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and m["role"] in ROLES
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+    _require(
+        ok,
+        f"{where}: observe({agent_id!r}) must return a non-empty list of "
+        f"{{'role': {'|'.join(ROLES)}, 'content': str}} dicts, got {str(messages)[:200]}",
+    )
+
+
+def _check_state(env: MultiAgentEnv, where: str) -> None:
+    agents = set(env.possible_agents)
+    _require(
+        env.agent_selection in agents,
+        f"{where}: agent_selection {env.agent_selection!r} not in possible_agents",
+    )
+    _require(isinstance(env.success, bool), f"{where}: success must be a bool")
+    _require(set(env.terminations) == agents, f"{where}: terminations keys != possible_agents")
+    _require(set(env.truncations) == agents, f"{where}: truncations keys != possible_agents")
+    _require(
+        all(isinstance(v, bool) for v in (*env.terminations.values(), *env.truncations.values())),
+        f"{where}: terminations / truncations values must be bool",
+    )
+    _require(set(env.agents) <= agents, f"{where}: agents not a subset of possible_agents")
+    if not env.done:
+        for agent_id in env.possible_agents:
+            _check_observation(_observe(env, agent_id, where), agent_id, where)
+
+
+def _snapshot(env: MultiAgentEnv) -> tuple[Any, ...]:
+    """Everything a clone must not change: observations, turn, flags, infos."""
+    observations = None
+    if not env.done:
+        observations = tuple(
+            json.dumps(_observe(env, a, "snapshot"), default=repr) for a in env.possible_agents
+        )
+    return (
+        observations,
+        env.agent_selection,
+        env.turn_idx,
+        tuple(env.agents),
+        tuple(sorted(env.terminations.items())),
+        tuple(sorted(env.truncations.items())),
+        json.dumps(env.infos, sort_keys=True, default=repr),
+        env.success,
+        env.done,
+    )
+
+
+def _check_step(env: MultiAgentEnv, action: str, where: str) -> StepOutcome:
+    try:
+        outcome = env.step(action)
+    except Exception as exc:  # the check's whole point: report which action broke the env
+        raise EnvCheckError(
+            f"{where}: step({_short(action)}) by {env.agent_selection!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    _require(
+        isinstance(outcome, StepOutcome),
+        f"{where}: step({_short(action)}) returned {type(outcome).__name__}, not StepOutcome",
+    )
+    for name in ("team_reward", "local_reward"):
+        value = getattr(outcome, name)
+        _require(
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
+            f"{where}: step({_short(action)}) gave a non-finite or non-numeric {name}: {value!r}",
+        )
+    _require(isinstance(outcome.valid, bool), f"{where}: StepOutcome.valid must be a bool")
+    try:
+        json.dumps(outcome.info)
+    except (TypeError, ValueError) as exc:
+        raise EnvCheckError(f"{where}: StepOutcome.info is not JSON-serialisable: {exc}") from exc
+    return outcome
+
+
+def _check_action_on_clone(env: MultiAgentEnv, action: str, where: str) -> None:
+    before = _snapshot(env)
+    branch, sibling = env.clone(), env.clone()
+    _require(
+        _snapshot(branch) == before,
+        f"{where}: clone() is not a faithful copy (observations or flags differ)",
+    )
+    _check_step(branch, action, where)
+    _check_state(branch, f"{where}, after step({_short(action)}) on a clone")
+    _require(
+        _snapshot(env) == before,
+        f"{where}: clone is not independent: stepping a clone with {_short(action)} changed the "
+        f"original's observations, agent_selection, turn_idx, flags or infos",
+    )
+    _require(
+        _snapshot(sibling) == before,
+        f"{where}: clone is not independent: stepping a clone with {_short(action)} changed a "
+        f"sibling clone",
+    )
