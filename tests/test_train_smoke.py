@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from atgrpo.config import load_config
@@ -137,3 +138,20 @@ def test_nan_loss_skips_the_update_and_keeps_the_weights(tmp_path: Path) -> None
     assert stats.skipped and "non-finite" in stats.reason
     after = policy.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_cli_trains_and_evaluates_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from atgrpo.cli import main
+
+    args = [str(TINY), f"run.output_dir={tmp_path}", "run.name=cli", "train.steps=1"]
+    assert main(["train", *args]) == 0
+    assert (tmp_path / "cli" / "samples.jsonl").is_file()
+    assert main(["eval", *args, "--checkpoint", str(tmp_path / "cli"), "--num-tasks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step   1/1" in out
+    assert "success" in out and "on 2 test tasks" in out
+    # A second run into the same folder without --resume is refused, not overwritten.
+    assert main(["train", *args]) == 2
+    assert "--resume" in capsys.readouterr().out

@@ -43,6 +43,9 @@ class RunConfig(_Section):
     name: str = Field("run", description="Run name; outputs go to <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder that holds one sub-folder per run.")
     seed: int = Field(0, description="Seed of everything: tasks, sampling, initialisation.")
+    log_samples: int = Field(
+        2, ge=0, description="Tasks per step whose samples (texts, rewards) go to samples.jsonl."
+    )
 
 
 class ModelConfig(_Section):
@@ -74,6 +77,9 @@ class RolloutConfig(_Section):
     )
     max_prompt_tokens: int = Field(
         1024, ge=16, description="Prompts longer than this are cut from the left (oldest first)."
+    )
+    generation_batch_size: int = Field(
+        0, ge=0, description="Cap on prompts per generate call; 0 = all K x B in one call."
     )
     env_workers: int = Field(
         0, ge=0, description="Threads applying branches to envs (sandboxed programs); 0 = #cores."

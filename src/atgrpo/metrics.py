@@ -25,6 +25,29 @@ class JsonlSink:
             f.write(json.dumps({"step": step, **clean}) + "\n")
 
 
+def log_samples(path: Path, step: int, rollout: Rollout, num_tasks: int) -> None:
+    """Append the samples of the first ``num_tasks`` tasks: what the agents wrote and scored."""
+    with path.open("a", encoding="utf-8") as f:
+        for s in rollout.samples:
+            if s.task_id < num_tasks:
+                record = {
+                    "step": step,
+                    "task_id": s.task_id,
+                    "seed": s.seed,
+                    "agent_id": s.agent_id,
+                    "turn_idx": s.turn_idx,
+                    "branch_idx": s.branch_idx,
+                    "kept": s.kept,
+                    "valid": s.valid,
+                    "team_reward": s.team_reward,
+                    "local_reward": s.local_reward,
+                    "reward": s.reward,
+                    "advantage": s.advantage,
+                    "response": s.response_text,
+                }
+                f.write(json.dumps(record) + "\n")
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

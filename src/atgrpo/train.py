@@ -31,7 +31,7 @@ from atgrpo.config import Config, Sampling, dump_config
 from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.evaluate import EvalReport, evaluate
 from atgrpo.generation import Generator, HFGenerator
-from atgrpo.metrics import JsonlSink, rollout_metrics
+from atgrpo.metrics import JsonlSink, log_samples, rollout_metrics
 from atgrpo.policies import Policy, build_policy, make_encoder, shared_routing
 from atgrpo.records import Sample
 from atgrpo.rollout import PromptEncoder, RolloutSettings, collect_rollout
@@ -75,7 +75,12 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
         weights = str(ckpt.policy_dir(checkpoint, pid)) if checkpoint else None
         policies[pid] = build_policy(cfg, pid, weights)
     generators: dict[str, Generator] = {
-        pid: HFGenerator(p.model, p.tokenizer, autocast_dtype=p.autocast_dtype)
+        pid: HFGenerator(
+            p.model,
+            p.tokenizer,
+            autocast_dtype=p.autocast_dtype,
+            max_batch_size=cfg.rollout.generation_batch_size or None,
+        )
         for pid, p in policies.items()
     }
     first = next(iter(policies.values()))
@@ -218,6 +223,8 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
             t_rollout = time.perf_counter() - t0
             adv_stats = _advantages(cfg, rollout.samples)
             updates = _update(rt, rollout.samples)
+            if cfg.run.log_samples:
+                log_samples(run_dir / "samples.jsonl", step, rollout, cfg.run.log_samples)
             metrics = rollout_metrics(rollout)
             metrics.update(adv_stats.metrics())
             for pid, stats in updates.items():

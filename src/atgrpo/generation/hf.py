@@ -53,7 +53,7 @@ class HFGenerator:
         tokenizer: Any,
         *,
         autocast_dtype: torch.dtype | None = None,
-        max_batch_size: int = 64,
+        max_batch_size: int | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -72,8 +72,9 @@ class HFGenerator:
         temperature: float | None,
     ) -> list[Generation]:
         out: list[Generation] = []
-        for start in range(0, len(prompts), self.max_batch_size):
-            chunk = prompts[start : start + self.max_batch_size]
+        step = self.max_batch_size or max(1, len(prompts))
+        for start in range(0, len(prompts), step):
+            chunk = prompts[start : start + step]
             out.extend(self._generate_batch(chunk, max_new_tokens, temperature))
         return out
 
