@@ -20,7 +20,7 @@ from rich.console import Console
 from atgrpo.config import ConfigError, dump_config, load_config
 from atgrpo.models import ModelError, prepare_default_model, prepare_tiny_model
 
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 
 
 def _quiet_libraries() -> None:
@@ -30,6 +30,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    # Our own warnings (e.g. the sandbox's) as one line, without the source line.
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
     try:
         from transformers.utils import logging as hf_logging
 
