@@ -90,7 +90,7 @@ def test_goal_reachable_and_oracle_is_shortest(grid_size: int) -> None:
         plan = env.oracle_plan()
         assert len(plan) == inst.dist(inst.start) >= 1  # reachable, and shortest by BFS
         outcome = env.step("Moves: " + " ".join(plan))
-        assert env.success and outcome.info["reached_goal"]
+        assert env.success and outcome.info["solved"] and outcome.info["plan_reaches_goal"]
 
 
 def test_distance_bounds_are_respected() -> None:

@@ -1,4 +1,4 @@
-"""Multi-agent environments: the interface, the checker, the env families and their configs."""
+"""Multi-agent environments: the interface, the checker, the puzzle envs and their configs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any, TypeAlias
 
 from atgrpo.envs.base import Message, MultiAgentEnv, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.checker import EnvCheckError, check_env
-from atgrpo.envs.plan_path import PlanPathConfig, PlanPathEnv, WorkflowKind
+from atgrpo.envs.plan_path import PLAN_PATH, PlanPathConfig, PlanPathEnv, PlanPathPuzzle
+from atgrpo.envs.puzzle import Effect, Puzzle, PuzzleConfig, PuzzleEnv, PuzzleSpec, WorkflowKind
 from atgrpo.envs.splits import Split, split_of, split_seeds
 
 # The union of env configs; the config module composes it into a pydantic discriminated union
@@ -30,12 +31,19 @@ def make_env(cfg: EnvConfig) -> MultiAgentEnv:
 
 __all__ = [
     "ENV_REGISTRY",
+    "PLAN_PATH",
+    "Effect",
     "EnvCheckError",
     "EnvConfig",
     "Message",
     "MultiAgentEnv",
     "PlanPathConfig",
     "PlanPathEnv",
+    "PlanPathPuzzle",
+    "Puzzle",
+    "PuzzleConfig",
+    "PuzzleEnv",
+    "PuzzleSpec",
     "Split",
     "StepOutcome",
     "TurnBasedEnv",

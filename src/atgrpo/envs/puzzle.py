@@ -1,0 +1,389 @@
+"""Puzzles (Plan-Path, Sudoku, Sokoban) as multi-agent envs: the shared workflows and prompts.
+
+PAPER.md, "The MAS designs per domain": for games and planning the ``mas`` workflow is a tool
+agent, which writes a Python program whose printed output is an action, then a planner, which
+reads the task, the program and its output and gives the action that is applied; ``single`` is
+the planner alone with the same turn budget. :class:`PuzzleEnv` runs both workflows for any
+puzzle; a puzzle supplies only its game logic (a :class:`Puzzle`) and its texts (a
+:class:`PuzzleSpec`).
+
+Rewards (``alpha * team + local`` in the trainer; the puzzle's docstring gives its formulas):
+
+* ``team_reward`` after any step is ``puzzle.team_reward()`` of the real state. The tool agent
+  never changes the real state, so its team reward is equal across its K branches and its group
+  is ranked by the local reward (docs/design.md);
+* ``local_reward``: tool = ``Effect.score`` of its program's action applied to a **copy** of the
+  state; planner = ``Effect.score`` of its action applied to the real state;
+* an unparseable action (tool: no code block, the program fails or times out, or its output
+  does not parse; planner: the answer does not parse) scores ``-format_penalty``, is not valid
+  and changes nothing.
+
+The episode terminates when the puzzle is solved (the only success) or dead (it can no longer
+be solved: a failure), and is truncated after ``max_turns`` turns (never a success).
+
+Adding a puzzle (see plan_path.py for a complete one):
+
+1. Config: ``class SudokuConfig(PuzzleConfig)`` with ``name: Literal["sudoku"] = "sudoku"`` and
+   the puzzle's own fields, each with a ``description``.
+2. State: a class that satisfies :class:`Puzzle` (mutable, one task instance). ``key`` starts
+   with the family name; ``parse`` never raises and returns None for text it cannot read or an
+   action illegal as a whole (it may look at the state, never change it); ``apply`` documents
+   its score formula; ``solved`` is strict; ``copy`` shares only immutable parts.
+3. ``generate(cfg, seed, split)``: deterministic in ``seed``; draws candidates until
+   ``split_of(puzzle.key) is split`` (envs/splits.py), with a clear error when it gives up.
+4. ``SUDOKU = PuzzleSpec(name="sudoku", ..., generate=generate)``: prompts short and plain,
+   each instruction with an example answer.
+5. Register it in ``envs/__init__.py`` (``ENV_REGISTRY["sudoku"] = lambda cfg: PuzzleEnv(cfg,
+   SUDOKU)``, ``EnvConfig``, ``__all__``) and add the config to ``config.py``'s ``EnvConfig``
+   union.
+6. Tests: ``check_env(PuzzleEnv(cfg, SUDOKU))`` for both workflows, the oracle solves, rewards
+   hand-computed on a hand-made instance (``env.reset_to(puzzle)``), split disjointness.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from atgrpo import sandbox
+from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
+from atgrpo.envs.parsing import extract_code
+from atgrpo.envs.splits import SEED_RANGES, Split
+
+TOOL = "tool"
+PLANNER = "planner"
+TOOL_PREFIX = "```python\n"  # the tool's primed answer: its program
+# How much of the tool's program and output the planner sees: the target model is tiny
+# (SmolLM2-135M), so prompts stay short.
+MAX_CODE_CHARS_SHOWN = 400
+MAX_OUTPUT_CHARS_SHOWN = 80
+MAX_INFO_CHARS = 200  # stdout kept in StepOutcome.info
+# StepOutcome.info keys the env writes; a puzzle's Effect.info adds its own beside them.
+ENV_INFO_KEYS = frozenset({"agent_id", "parse_error", "program_status", "stdout", "solved", "dead"})
+
+ActionT = TypeVar("ActionT")
+
+
+class WorkflowKind(enum.StrEnum):
+    MAS = "mas"  # tool agent -> planner
+    SINGLE = "single"  # planner alone
+
+
+class PuzzleConfig(BaseModel):
+    """The fields every puzzle shares; each puzzle's config subclasses this (one level)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The env family; each puzzle narrows it to a Literal.")
+    workflow: WorkflowKind = Field(
+        default=WorkflowKind.MAS,
+        description="'mas': tool agent then planner each turn; 'single': the planner alone.",
+    )
+    max_turns: int = Field(
+        default=2, ge=1, description="Turns (every agent acts once) before truncation."
+    )
+    max_plan_length: int = Field(
+        default=100,
+        ge=1,
+        description="Actions (moves, cells) read from one answer at most; the rest is ignored.",
+    )
+    format_penalty: float = Field(
+        default=1.0, ge=0.0, description="Local reward of an unparseable action is -format_penalty."
+    )
+    sandbox_wall_time_s: float = Field(
+        default=5.0, gt=0.0, description="Wall-clock limit of the tool agent's program."
+    )
+    sandbox_memory_mb: int = Field(
+        default=512, ge=32, description="Address-space limit of the tool agent's program."
+    )
+    prime_answers: bool = Field(
+        default=False,
+        description=(
+            "Start each answer for the model: the planner's with the puzzle's answer label "
+            "(Plan-Path: 'Moves:'), the tool's with '```python'. Small models (SmolLM2-135M) "
+            "rarely follow the format otherwise."
+        ),
+    )
+
+
+ConfigT = TypeVar("ConfigT", bound=PuzzleConfig)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What applying one action did to a puzzle state."""
+
+    score: float  # the shaped local score; formula in the puzzle's docstring
+    summary: str  # one line for the next turn's prompt, of the planner's action ("Your last ...")
+    info: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable diagnostics
+
+
+class Puzzle(Protocol[ActionT]):
+    """The mutable game state of one task instance; ``ActionT`` is its parsed action type.
+
+    ``key``, ``solved`` and ``dead`` may be plain attributes or properties.
+    """
+
+    @property
+    def key(self) -> str:
+        """Canonical instance key, starting with the family name; decides the split."""
+        ...
+
+    @property
+    def solved(self) -> bool:
+        """Strict success: the task is done, by the rules (e.g. Sudoku givens unchanged)."""
+        ...
+
+    @property
+    def dead(self) -> bool:
+        """The puzzle can no longer be solved (e.g. a Sokoban deadlock): the episode fails."""
+        ...
+
+    def copy(self) -> Self:
+        """An independent copy: applying an action to it never changes ``self``."""
+        ...
+
+    def render(self) -> str:
+        """The current board for prompts: short plain text, with its legend."""
+        ...
+
+    def parse(self, text: str, *, from_program: bool) -> ActionT | None:
+        """The action in ``text`` (a program's stdout when ``from_program``, else the planner's
+        answer); None when unreadable or illegal as a whole. Never raises, never mutates."""
+        ...
+
+    def apply(self, action: ActionT) -> Effect:
+        """Apply ``action`` to this state (mutates) and say what it did."""
+        ...
+
+    def team_reward(self) -> float:
+        """The whole team's standing in the current state."""
+        ...
+
+    def oracle(self) -> ActionT:
+        """An action that solves the puzzle from the current state (for tests)."""
+        ...
+
+
+PuzzleT = TypeVar("PuzzleT", bound=Puzzle[Any])
+
+
+@dataclass(frozen=True)
+class PuzzleSpec(Generic[ConfigT, PuzzleT]):
+    """A puzzle family: its name, its prompt texts and its instance generator."""
+
+    name: str  # the config's ``name``; workflows are named f"{name}_{workflow}"
+    planner_system: str  # system line of the planner
+    tool_system: str  # system line of the tool agent
+    planner_instruction: str  # how to answer, with an example ("Answer ... like:\nMoves: R R D")
+    tool_instruction: str  # what the program must print, with an example program
+    planner_prefix: str  # the primed start of the planner's answer ("Moves:")
+    unparsed_summary: str  # the progress line after an unparseable planner answer
+    generate: Callable[[ConfigT, int, Split], PuzzleT]  # (cfg, seed, split) -> a fresh puzzle
+
+
+@dataclass(frozen=True)
+class ToolReport:
+    """The tool agent's program of the current turn and what it printed."""
+
+    code: str  # "" when the completion had no code block
+    status: str  # "no_code" or a sandbox ExitStatus value ("ok", "error", "timeout", ...)
+    stdout: str
+    action: Any  # the parsed stdout; None: unparseable (no code, failure, nothing parseable)
+
+
+class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
+    """A puzzle as a multi-agent env (tool agent -> planner) or a single agent (planner).
+
+    An agent's prompt: the spec's system line; a user message of ``puzzle.render()``, from the
+    second turn on ``"Turn t of T. "`` + the last planner action's ``Effect.summary`` (or
+    ``spec.unparsed_summary``), for the planner in ``mas`` the tool's program and output
+    (truncated), and the spec's instruction; with ``prime_answers`` a final assistant message
+    (``TOOL_PREFIX`` / ``spec.planner_prefix``) that the completion continues.
+    """
+
+    def __init__(self, config: ConfigT, spec: PuzzleSpec[ConfigT, PuzzleT]) -> None:
+        if config.name != spec.name:
+            raise ValueError(f"config of {config.name!r} given to the {spec.name!r} puzzle env")
+        self.config = config
+        self.spec = spec
+        agents = (TOOL, PLANNER) if config.workflow is WorkflowKind.MAS else (PLANNER,)
+        name = f"{spec.name}_{config.workflow.value}"
+        super().__init__(Workflow(name=name, agents=agents, max_turns=config.max_turns))
+        self._puzzle: PuzzleT | None = None
+        self._seed: int | None = None
+        self._split = Split.TRAIN
+        self._tool_report: ToolReport | None = None  # this turn's, for the planner
+        self._last_effect: Effect | None = None  # the previous planner's; None: unparseable
+
+    # -- episode -------------------------------------------------------------------------------
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
+        """A new instance of ``options["split"]`` (default train) drawn with ``seed``.
+
+        Splits never share an instance, whatever the seeds (DESIGN.md invariant 5; see
+        :mod:`atgrpo.envs.splits`). ``seed=None`` draws a fresh random seed.
+        """
+        options = dict(options or {})
+        split = Split(options.pop("split", Split.TRAIN))
+        if options:
+            raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
+        if seed is None:
+            seed = random.SystemRandom().randrange(len(SEED_RANGES[split]))
+        self.reset_to(self.spec.generate(self.config, seed, split))
+        self._seed, self._split = seed, split
+
+    def reset_to(self, puzzle: PuzzleT) -> None:
+        """Start an episode on a given puzzle (hand-made tasks, tests); the env owns it now."""
+        if puzzle.solved or puzzle.dead:
+            raise ValueError("the puzzle must be neither solved nor dead at the start")
+        self._seed = None
+        self._puzzle = puzzle
+        self._tool_report = None
+        self._last_effect = None
+        self._start_episode()
+
+    def clone(self) -> Self:
+        return copy.deepcopy(self)
+
+    @property
+    def puzzle(self) -> PuzzleT:
+        if self._puzzle is None:
+            raise RuntimeError("no episode yet: call reset() first")
+        return self._puzzle
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of the current instance (None for a hand-made one)."""
+        return self._seed
+
+    @property
+    def split(self) -> Split:
+        return self._split
+
+    @property
+    def instance_key(self) -> str:
+        return self.puzzle.key
+
+    @property
+    def success(self) -> bool:
+        return self._puzzle is not None and self._puzzle.solved
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def step(self, action: str) -> StepOutcome:
+        if self.done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        agent_id = self.agent_selection
+        action = self.answer_prefix(agent_id) + action  # the completion continues the prefix
+        outcome = self._tool_step(action) if agent_id == TOOL else self._planner_step(action)
+        self.infos[agent_id] = outcome.info
+        self._advance(task_over=self.puzzle.solved or self.puzzle.dead)
+        return outcome
+
+    def _tool_step(self, text: str) -> StepOutcome:
+        cfg, puzzle = self.config, self.puzzle
+        code = extract_code(text)
+        if code is None:
+            report = ToolReport(code="", status="no_code", stdout="", action=None)
+        else:
+            limits = sandbox.SandboxLimits(
+                wall_time_s=cfg.sandbox_wall_time_s,
+                cpu_time_s=max(1, math.ceil(cfg.sandbox_wall_time_s)),
+                memory_mb=cfg.sandbox_memory_mb,
+            )
+            result = sandbox.run_python(code, limits)
+            action = puzzle.parse(result.stdout, from_program=True) if result.ok else None
+            report = ToolReport(code, result.status.value, result.stdout, action)
+        self._tool_report = report
+        # The tool's action is scored on a copy: the real state is untouched until the planner.
+        effect = None if report.action is None else puzzle.copy().apply(report.action)
+        parse_error = None
+        if report.status == "no_code":
+            parse_error = "no code block"
+        elif report.status != "ok":
+            parse_error = f"program failed ({report.status})"
+        elif report.action is None:
+            parse_error = "no action in the program's output"
+        info = {
+            "agent_id": TOOL,
+            "parse_error": parse_error,
+            "program_status": report.status,
+            "stdout": report.stdout[:MAX_INFO_CHARS],
+        }
+        return self._outcome(effect, info)
+
+    def _planner_step(self, text: str) -> StepOutcome:
+        action = self.puzzle.parse(text, from_program=False)
+        effect = None if action is None else self.puzzle.apply(action)
+        self._last_effect = effect
+        self._tool_report = None  # the next turn's tool writes a new program
+        info = {"agent_id": PLANNER, "parse_error": None if effect else "unparseable answer"}
+        return self._outcome(effect, info)
+
+    def _outcome(self, effect: Effect | None, info: dict[str, Any]) -> StepOutcome:
+        puzzle = self.puzzle
+        if effect is not None:
+            if clash := ENV_INFO_KEYS & effect.info.keys():
+                raise ValueError(f"{self.spec.name}: Effect.info uses the env's keys {clash}")
+            info.update(effect.info)
+        info.update(solved=puzzle.solved, dead=puzzle.dead)  # the real state's, after the step
+        return StepOutcome(
+            team_reward=puzzle.team_reward(),
+            local_reward=effect.score if effect else -self.config.format_penalty,
+            valid=effect is not None,
+            info=info,
+        )
+
+    # -- observations --------------------------------------------------------------------------
+
+    def observe(self, agent_id: str) -> list[Message]:
+        if agent_id not in self.possible_agents:
+            raise ValueError(f"unknown agent {agent_id!r}; agents: {list(self.possible_agents)}")
+        spec = self.spec
+        tool = agent_id == TOOL
+        parts = [self.puzzle.render(), *self._progress_lines()]
+        if not tool and TOOL in self.possible_agents:
+            parts.append(self._tool_text())
+        parts.append(spec.tool_instruction if tool else spec.planner_instruction)
+        messages = [
+            {"role": "system", "content": spec.tool_system if tool else spec.planner_system},
+            {"role": "user", "content": "\n".join(parts)},
+        ]
+        if prefix := self.answer_prefix(agent_id):
+            # A final assistant message is continued by the model (see policies.make_encoder).
+            messages.append({"role": "assistant", "content": prefix})
+        return messages
+
+    def answer_prefix(self, agent_id: str) -> str:
+        """The primed start of ``agent_id``'s answer ("" unless ``prime_answers``)."""
+        if not self.config.prime_answers:
+            return ""
+        return TOOL_PREFIX if agent_id == TOOL else self.spec.planner_prefix
+
+    def _progress_lines(self) -> list[str]:
+        if self.turn_idx == 0:
+            return []
+        effect = self._last_effect
+        summary = self.spec.unparsed_summary if effect is None else effect.summary
+        return [f"Turn {self.turn_idx + 1} of {self.workflow.max_turns}. {summary}"]
+
+    def _tool_text(self) -> str:
+        report = self._tool_report
+        if report is None or report.status == "no_code":
+            return "The helper wrote no program."
+        code = report.code[:MAX_CODE_CHARS_SHOWN]
+        lines = [f"Helper program:\n```python\n{code}\n```"]
+        if report.status != "ok":
+            lines.append(f"It failed ({report.status}).")
+        else:
+            output = " ".join(report.stdout.split())[:MAX_OUTPUT_CHARS_SHOWN]
+            lines.append(f"It printed: {output}" if output else "It printed nothing.")
+        return "\n".join(lines)
