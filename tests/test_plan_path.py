@@ -377,3 +377,13 @@ def test_random_actions_never_raise(parts: list[str]) -> None:
             out = env.step(text)
             assert math.isfinite(out.team_reward) and math.isfinite(out.local_reward)
             assert out.valid or out.local_reward == -1.0
+
+
+def test_offset_line_names_the_direction_of_the_goal() -> None:
+    from atgrpo.envs.plan_path import _offset_text
+
+    # (row, col): rows grow downwards, so the goal two rows below and one column left is
+    # "2 down and 1 left".
+    assert _offset_text((1, 3), (3, 2)) == "G is 2 down and 1 left of you."
+    assert _offset_text((2, 2), (0, 2)) == "G is 2 up of you."
+    assert _offset_text((0, 0), (0, 4)) == "G is 4 right of you."

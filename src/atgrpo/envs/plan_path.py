@@ -42,6 +42,13 @@ class PlanPathConfig(PuzzleConfig):
     show_coordinates: bool = Field(
         default=True, description="Print row and column numbers around the grid in prompts."
     )
+    show_offset: bool = Field(
+        default=False,
+        description=(
+            "Also say how far G is in each direction ('G is 2 down and 1 left of you'); walls "
+            "may still block the straight way. Helps small models read the grid."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_sizes(self) -> Self:
@@ -113,6 +120,8 @@ class PlanPathPuzzle:
             lines.append(f"You are at row {r}, col {c}. G is at row {gr}, col {gc}.")
         else:
             lines += rows
+        if self.config.show_offset:
+            lines.append(_offset_text(pos, inst.goal))
         lines.append("U up, D down, L left, R right. You cannot enter # or leave the grid.")
         return "\n".join(lines)
 
@@ -245,3 +254,14 @@ class PlanPathEnv(PuzzleEnv[PlanPathConfig, PlanPathPuzzle]):
     def oracle_plan(self) -> list[str]:
         """A shortest move list from the current position to the goal."""
         return self.puzzle.oracle()
+
+
+def _offset_text(pos: tuple[int, int], goal: tuple[int, int]) -> str:
+    """'G is 2 down and 1 left of you.' (rows grow downwards)."""
+    dr, dc = goal[0] - pos[0], goal[1] - pos[1]
+    parts = []
+    if dr:
+        parts.append(f"{abs(dr)} {'down' if dr > 0 else 'up'}")
+    if dc:
+        parts.append(f"{abs(dc)} {'right' if dc > 0 else 'left'}")
+    return f"G is {' and '.join(parts)} of you." if parts else "You are on G."
