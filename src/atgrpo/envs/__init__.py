@@ -3,21 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
+
+from pydantic import BaseModel, Field
 
 from atgrpo.envs.base import Message, MultiAgentEnv, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.checker import EnvCheckError, check_env
 from atgrpo.envs.plan_path import PLAN_PATH, PlanPathConfig, PlanPathEnv, PlanPathPuzzle
 from atgrpo.envs.puzzle import Effect, Puzzle, PuzzleConfig, PuzzleEnv, PuzzleSpec, WorkflowKind
+from atgrpo.envs.sokoban import SOKOBAN, SokobanConfig, SokobanEnv, SokobanPuzzle
 from atgrpo.envs.splits import Split, split_of, split_seeds
+from atgrpo.envs.sudoku import SUDOKU, SudokuConfig, SudokuEnv, SudokuPuzzle
 
-# The union of env configs; the config module composes it into a pydantic discriminated union
-# on ``name`` once there is more than one env family.
-EnvConfig: TypeAlias = PlanPathConfig
+# An env family is registered here and only here: its config class (a pydantic model whose
+# `name` literal is the discriminator of the `env` config section) and its factory.
+ENV_CONFIGS: tuple[type[BaseModel], ...] = (PlanPathConfig, SokobanConfig, SudokuConfig)
+EnvConfig: TypeAlias = Annotated[
+    PlanPathConfig | SokobanConfig | SudokuConfig, Field(discriminator="name")
+]
 
-# env name -> factory taking that env's config; the one place an env family is registered.
+# env name -> factory taking that env's config.
 ENV_REGISTRY: dict[str, Callable[[Any], MultiAgentEnv]] = {
     "plan_path": PlanPathEnv.from_config,
+    "sokoban": SokobanEnv.from_config,
+    "sudoku": SudokuEnv.from_config,
 }
 
 
@@ -30,8 +39,11 @@ def make_env(cfg: EnvConfig) -> MultiAgentEnv:
 
 
 __all__ = [
+    "ENV_CONFIGS",
     "ENV_REGISTRY",
     "PLAN_PATH",
+    "SOKOBAN",
+    "SUDOKU",
     "Effect",
     "EnvCheckError",
     "EnvConfig",
@@ -44,8 +56,14 @@ __all__ = [
     "PuzzleConfig",
     "PuzzleEnv",
     "PuzzleSpec",
+    "SokobanConfig",
+    "SokobanEnv",
+    "SokobanPuzzle",
     "Split",
     "StepOutcome",
+    "SudokuConfig",
+    "SudokuEnv",
+    "SudokuPuzzle",
     "TurnBasedEnv",
     "Workflow",
     "WorkflowKind",
