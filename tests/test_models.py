@@ -61,3 +61,10 @@ def test_default_model_prepares_and_generates() -> None:
         [tok(ids, add_special_tokens=False)["input_ids"]], max_new_tokens=8, temperature=None
     )
     assert out[0].text.strip()
+
+
+def test_a_hub_id_is_passed_on_and_fails_clearly_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("someorg/some-model-xyz") == "someorg/some-model-xyz"
+    with pytest.raises(ModelError, match="not in the local hub cache"):
+        load_model("someorg/some-model-xyz")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -165,29 +166,54 @@ def prepare_tiny_model(seed: int = 0) -> Path:
     return _atomic_build(target, build)
 
 
-def resolve_model_path(path: str) -> Path:
-    """A built-in name -> its prepared cache folder; a folder -> itself, checked."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model_path(path: str) -> Path | str:
+    """A built-in name -> its prepared cache folder; a folder -> itself, checked.
+
+    A hub id (``org/name``) that is not a local folder is passed on to transformers, which
+    finds it in the local hub cache, or downloads it where the hub is reachable and
+    ``HF_HUB_OFFLINE=0``; the demo and the tests never use one.
+    """
     if path == DEFAULT_MODEL:
         return prepare_default_model()
     if path == TINY_MODEL:
         return prepare_tiny_model()
     folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ModelError(
-            f"model.path {path!r} is not a local Hugging Face model folder (no config.json); "
-            f"use {DEFAULT_MODEL!r} (embedded, see `atgrpo models prepare`), {TINY_MODEL!r}, "
-            "or a folder saved with save_pretrained"
-        )
-    return folder
+    if (folder / "config.json").is_file():
+        return folder
+    if _HUB_ID.match(path) and not folder.exists():
+        return path
+    raise ModelError(
+        f"model.path {path!r} is not a local Hugging Face model folder (no config.json); "
+        f"use {DEFAULT_MODEL!r} (embedded, see `atgrpo models prepare`), {TINY_MODEL!r}, "
+        "a folder saved with save_pretrained, or a hub id (org/name) available offline"
+    )
 
 
-def load_model(path: str) -> tuple[Any, Any]:
-    """Load a causal LM in fp32 (master weights) and its tokenizer, padded on the left."""
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(path: str, device: torch.device | str | None = None) -> tuple[Any, Any]:
+    """Load a causal LM in fp32 (master weights) on ``device`` (default: CUDA if available)
+    and its tokenizer, padded on the left."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = resolve_model_path(path)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    source = resolve_model_path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source))
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    except OSError as exc:
+        if isinstance(source, Path):
+            raise
+        raise ModelError(
+            f"model.path {path!r}: not in the local hub cache and the hub is not reachable "
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}); download it to a folder "
+            "and set model.path to that folder"
+        ) from exc
+    model.to(device or default_device())  # type: ignore[arg-type]
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
