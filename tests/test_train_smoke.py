@@ -19,6 +19,8 @@ from atgrpo.update import UpdateSettings, ppo_update
 from conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"
+# Shorter prompts and answers than tiny.yaml: the same code paths, a few seconds per run.
+FAST = ("rollout.max_prompt_tokens=192", "rollout.max_new_tokens=8")
 
 
 def _cfg(tmp_path: Path, name: str, *extra: str):
@@ -31,6 +33,7 @@ def _cfg(tmp_path: Path, name: str, *extra: str):
             f"run.name={name}",
             "algo.entropy_coef=0.01",
             "algo.skip_zero_advantage=false",
+            *FAST,
             *extra,
         ],
     )
@@ -74,15 +77,78 @@ def test_two_steps_train_write_metrics_and_checkpoint_then_resume(tmp_path: Path
     assert steps == [1, 2, 3]
 
 
-def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(tmp_path: Path) -> None:
-    straight = train(_cfg(tmp_path, "straight"))
-    train(_cfg(tmp_path, "split", "train.steps=1"))
-    resumed = train(_cfg(tmp_path, "split"), resume=True)
-    a = _params(straight.checkpoint / "policy-shared")
-    b = _params(resumed.checkpoint / "policy-shared")
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+def _weights(policy_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    adapter = policy_dir / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.is_file() else policy_dir / "model.safetensors"))
+
+
+def _assert_same(a: object, b: object, where: str) -> None:
+    """Tensors bit-identical, everything else equal, recursively (optimizer and RNG states)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif hasattr(a, "shape"):  # numpy arrays in the RNG state
+        assert (a == b).all(), where  # type: ignore[union-attr]
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize(
+    ("config", "policies"),
+    [
+        ("tiny.yaml", ["shared"]),  # L1
+        ("tiny-lora.yaml", ["tool", "planner"]),  # L2: adapters alone in the checkpoint
+        ("tiny-per_role.yaml", ["tool", "planner"]),  # L3
+    ],
+)
+def test_resume_reaches_the_same_parameters_as_an_uninterrupted_run(
+    tmp_path: Path, config: str, policies: list[str]
+) -> None:
+    def cfg(name: str, *extra: str):
+        return load_config(
+            REPO / "configs" / config,
+            [
+                f"run.output_dir={tmp_path}",
+                f"run.name={name}",
+                "algo.entropy_coef=0.01",
+                "algo.skip_zero_advantage=false",
+                *FAST,
+                *extra,
+            ],
+        )
+
+    straight = train(cfg("straight"))
+    train(cfg("split", "train.steps=1"))
+    resumed = train(cfg("split"), resume=True)
+    assert straight.checkpoint is not None and resumed.checkpoint is not None
+    first = tmp_path / "straight" / "checkpoints" / "step-000001"
+    for pid in policies:
+        a_dir, b_dir = straight.checkpoint / f"policy-{pid}", resumed.checkpoint / f"policy-{pid}"
+        if config == "tiny-lora.yaml":
+            assert not (a_dir / "model.safetensors").exists()  # the base is never copied
+        a, b = _weights(a_dir), _weights(b_dir)
+        _assert_same(a, b, f"{pid} weights")
+        moved = _weights(first / f"policy-{pid}")
+        assert any(not torch.equal(a[k], moved[k]) for k in a), f"{pid} did not train in step 2"
+        _assert_same(
+            torch.load(a_dir / "optim.pt", weights_only=False),
+            torch.load(b_dir / "optim.pt", weights_only=False),
+            f"{pid} optimizer",
+        )
+    _assert_same(
+        torch.load(straight.checkpoint / "rng.pt", weights_only=False),
+        torch.load(resumed.checkpoint / "rng.pt", weights_only=False),
+        "rng",
+    )
 
 
 def _samples(policy, advantage: float, n: int = 4) -> list[Sample]:
@@ -145,7 +211,7 @@ def test_cli_trains_and_evaluates_a_checkpoint(
 ) -> None:
     from atgrpo.cli import main
 
-    args = [str(TINY), f"run.output_dir={tmp_path}", "run.name=cli", "train.steps=1"]
+    args = [str(TINY), f"run.output_dir={tmp_path}", "run.name=cli", "train.steps=1", *FAST]
     assert main(["train", *args]) == 0
     assert (tmp_path / "cli" / "samples.jsonl").is_file()
     assert main(["eval", *args, "--checkpoint", str(tmp_path / "cli"), "--num-tasks", "2"]) == 0

@@ -2,10 +2,16 @@
 
 Layout of ``<run_dir>/checkpoints/step-000012/``::
 
-    policy-<id>/            model weights (safetensors) and tokenizer, loadable by from_pretrained
-    policy-<id>/optim.pt    optimizer and LR-scheduler state
-    trainer_state.json      step, config, metrics of the last step
+    policy-<id>/            a whole model (L1, L3): weights (safetensors) and tokenizer,
+                            loadable by ``from_pretrained``; or a LoRA adapter alone (L2):
+                            adapter_config.json + adapter_model.safetensors, loadable by
+                            ``PeftModel.from_pretrained(base, folder)``; the base is not copied
+    policy-<id>/optim.pt    that policy's optimizer and LR-scheduler state
+    trainer_state.json      step, routing, the kind of each policy, metrics of the last step
     rng.pt                  Python, NumPy and torch RNG states
+
+Every policy is saved and restored by its id, so a checkpoint can be evaluated with another
+routing (the swapped-roles ablation: ``routing.tool=planner routing.planner=tool``).
 
 A checkpoint is written into a hidden temporary folder and renamed into place, then the
 ``latest`` file is replaced atomically; a run killed at any moment leaves either the previous
@@ -49,7 +55,7 @@ def save_checkpoint(
     try:
         for pid, policy in policies.items():
             out = tmp / f"policy-{pid}"
-            policy.model.save_pretrained(out)
+            _save_weights(policy, out, staging=tmp / f".adapter-{pid}")
             policy.tokenizer.save_pretrained(out)
             torch.save(
                 {
@@ -58,15 +64,17 @@ def save_checkpoint(
                 },
                 out / "optim.pt",
             )
-        torch.save(
-            {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
-            tmp / "rng.pt",
-        )
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        rng = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
+        kinds = {pid: "lora" if p.adapter is not None else "model" for pid, p in policies.items()}
+        trainer_state = {"step": step, "policies": kinds, **state}
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -76,6 +84,21 @@ def save_checkpoint(
     _atomic_write_text(root / LATEST, final.name + "\n")
     _prune(root, keep)
     return final
+
+
+def _save_weights(policy: Policy, out: Path, staging: Path) -> None:
+    """A whole model with ``save_pretrained``; an adapter alone (peft, no base weights)."""
+    if policy.adapter is None:
+        policy.model.save_pretrained(out)
+        return
+    # peft writes an adapter into <dir>/<name>/ (into <dir> itself when the name is "default"),
+    # beside a model card; keep only the adapter's files.
+    policy.model.save_pretrained(str(staging), selected_adapters=[policy.adapter])
+    saved = staging if policy.adapter == "default" else staging / policy.adapter
+    out.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        os.replace(saved / name, out / name)
+    shutil.rmtree(staging)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -92,11 +115,28 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return path if (path / "trainer_state.json").is_file() else None
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder (its latest checkpoint) -> the checkpoint folder."""
+    folder = Path(path)
+    found = latest_checkpoint(folder) if (folder / "checkpoints").is_dir() else folder
+    if found is None or not (found / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is neither a checkpoint nor a run folder with one")
+    return found
+
+
 def policy_dir(checkpoint: Path, policy_id: str) -> Path:
     path = checkpoint / f"policy-{policy_id}"
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"checkpoint {checkpoint} has no policy {policy_id!r}")
+    if not ((path / "config.json").is_file() or (path / "adapter_config.json").is_file()):
+        saved = sorted(p.name.removeprefix("policy-") for p in checkpoint.glob("policy-*"))
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint} has no policy {policy_id!r} (it has: {', '.join(saved)})"
+        )
     return path
+
+
+def policy_dirs(checkpoint: Path, policy_ids: list[str]) -> dict[str, Path]:
+    """The saved folder of every policy in ``policy_ids``; a missing one raises."""
+    return {pid: policy_dir(checkpoint, pid) for pid in policy_ids}
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
@@ -116,3 +156,5 @@ def restore_rng(checkpoint: Path) -> None:
     random.setstate(saved["python"])
     np.random.set_state(saved["numpy"])
     torch.set_rng_state(saved["torch"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])

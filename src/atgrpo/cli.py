@@ -1,7 +1,8 @@
 """The ``atgrpo`` command line: a thin layer over the library.
 
 atgrpo train CONFIG [key=value ...] [--resume]
-atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [key=value ...]
+atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B] [key=value ...]
+atgrpo compare FILE [--output-dir DIR] [--num-tasks N]   methods x benchmarks success table
 atgrpo models prepare [--force]
 atgrpo config CONFIG [key=value ...]        print the resolved config
 """
@@ -46,23 +47,30 @@ def _print_eval(title: str, report: object) -> None:
 
     assert isinstance(report, EvalReport)
     valid = "  ".join(f"{a} {v:.2f}" for a, v in report.valid_rate.items())
+    n = report.samples_per_task
+    sampled = "".join(f", pass@{k} {v:.1%}" for k, v in report.pass_at.items())
     console.print(
-        f"[bold]{title}[/]: success {report.success_rate:.1%} on {report.num_tasks} "
-        f"{report.split} tasks  (team return {report.mean_team_return:+.3f}; "
-        f"valid-format rate {valid})"
+        f"[bold]{title}[/]: success {report.success_rate:.1%}"
+        + (f" (avg@{n}{sampled})" if n > 1 else "")
+        + f" on {report.num_tasks} {report.split} tasks  (team return "
+        f"{report.mean_team_return:+.3f}; valid-format rate {valid})"
     )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from atgrpo.envs import make_env
     from atgrpo.metrics import step_summary
+    from atgrpo.policies import describe_regime, resolve_routing
     from atgrpo.train import train
 
     cfg = load_config(args.config, args.overrides)
+    policy_of = resolve_routing(cfg, make_env(cfg.env).possible_agents)
     console.print(
         f"[bold]atgrpo train[/] {cfg.run.name}: env {cfg.env.name} "
-        f"({getattr(cfg.env, 'workflow', '')}), model {cfg.model.path}, "
+        f"({getattr(cfg.env, 'workflow', '')}), {describe_regime(cfg, policy_of)}, "
+        f"model {', '.join(dict.fromkeys(cfg.policy_model(p) for p in cfg.policies))}, "
         f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
         f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
     )
@@ -105,23 +113,60 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from atgrpo import checkpoint as ckpt
-    from atgrpo.envs import Split
+    from atgrpo.envs import Split, make_env
+    from atgrpo.policies import swapped_routing
     from atgrpo.train import build_runtime, seed_everything
 
     cfg = load_config(args.config, args.overrides)
-    checkpoint = None
-    if args.checkpoint:
-        path = Path(args.checkpoint)
-        checkpoint = ckpt.latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
-        if checkpoint is None or not (checkpoint / "trainer_state.json").is_file():
-            raise ConfigError(f"--checkpoint {args.checkpoint!r} is not a checkpoint or run folder")
+    if args.swap:
+        pair = tuple(a.strip() for a in args.swap.split(","))
+        if len(pair) != 2:
+            raise ConfigError(f"--swap {args.swap!r}: give two agents, e.g. --swap tool,planner")
+        agents = make_env(cfg.env).possible_agents
+        swap = swapped_routing(cfg, agents, (pair[0], pair[1]))
+        cfg = load_config(args.config, [*args.overrides, *swap])
+    checkpoint = ckpt.resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     seed_everything(cfg.run.seed)
     rt = build_runtime(cfg, checkpoint)
     try:
         report = rt.evaluate(Split(args.split), args.num_tasks or cfg.eval.num_tasks)
+        routing = ", ".join(f"{a} -> {p}" for a, p in rt.policy_of.items())
     finally:
         rt.close()
-    _print_eval(f"{checkpoint or cfg.model.path}", report)
+    _print_eval(f"{checkpoint or cfg.model.path} ({routing})", report)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from atgrpo.compare import Cell, load_comparison, run_comparison, table_rows, write_tables
+
+    comparison = load_comparison(args.file)
+    if args.num_tasks:
+        comparison.eval["num_tasks"] = args.num_tasks
+    out = Path(args.output_dir or comparison.output_dir)
+    total = len(comparison.methods) * len(comparison.benchmarks)
+    done = 0
+
+    def on_cell(cell: Cell) -> None:
+        nonlocal done
+        done += 1
+        console.print(
+            f"[{done}/{total}] {cell.benchmark} | {cell.method}: "
+            f"success {cell.report.success_rate:.1%} on {cell.report.num_tasks} tasks"
+        )
+
+    cells = run_comparison(comparison, on_cell=on_cell)
+    header, rows = table_rows(cells)
+    table = Table(title=f"success % on {comparison.split.value} tasks (delta to the first row)")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    md, csv_path = write_tables(cells, out)
+    console.print(f"tables: {md}  {csv_path}")
     return 0
 
 
@@ -152,7 +197,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="a checkpoint folder or a run folder (uses its latest)")
     p.add_argument("--split", default="test", choices=["validation", "test"])
     p.add_argument("--num-tasks", type=int, default=None)
+    p.add_argument(
+        "--swap",
+        metavar="A,B",
+        help="exchange the policies of agents A and B (e.g. tool,planner: swapped-roles ablation)",
+    )
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("compare", help="evaluate methods x benchmarks; write table.md / table.csv")
+    p.add_argument("file", help="a comparison YAML, e.g. configs/compare/tiny-table.yaml")
+    p.add_argument("--output-dir", help="where the tables go (default: the file's output_dir)")
+    p.add_argument("--num-tasks", type=int, default=None, help="held-out tasks per benchmark")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("models", help="prepare the embedded models")
     msub = p.add_subparsers(dest="models_command", required=True)

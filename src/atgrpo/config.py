@@ -7,21 +7,31 @@ Unknown or mistyped keys and invalid values fail at load time with one line nami
 
 from __future__ import annotations
 
+import copy
 import difflib
 import enum
+import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from atgrpo.advantage import AdvantageScale, Grouping
-from atgrpo.envs import PlanPathConfig
+from atgrpo.envs import ENV_CONFIGS, EnvConfig, PlanPathConfig
 from atgrpo.loss import LossAggregation
 
 
 class ConfigError(ValueError):
     """A user error in a config file or override; the message is one line naming the key."""
+
+
+class KeyedValueError(ValueError):
+    """Raised by validators that check several fields together; ``key`` is the one to fix."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class _Section(BaseModel):
@@ -91,6 +101,14 @@ class AlgoConfig(_Section):
         Grouping.AGENT_TURN, description="Group key for advantages; agent_turn is AT-GRPO."
     )
     alpha: float = Field(0.7, description="Reward mix r = alpha * team + local (paper: 0.7).")
+    local_weight: float = Field(
+        1.0,
+        ge=0.0,
+        description=(
+            "Weight of the local term: r = alpha * team + local_weight * local. 1 is the paper's "
+            "mix; 0 with alpha = 1 is its 'global only' ablation."
+        ),
+    )
     adv_scale: AdvantageScale = Field(
         AdvantageScale.STD, description="std: (r-mean)/(std+eps); mean: r-mean."
     )
@@ -125,6 +143,21 @@ class EvalConfig(_Section):
     before_training: bool = Field(False, description="Evaluate on the test split before step 1.")
     after_training: bool = Field(False, description="Evaluate on the test split after training.")
     max_new_tokens: int | None = Field(None, description="Defaults to rollout.max_new_tokens.")
+    samples_per_task: int = Field(
+        1,
+        ge=1,
+        description=(
+            "n: runs per held-out task. 1 = greedy decoding; n > 1 samples at eval.temperature "
+            "and reports avg@n and unbiased pass@k (Chen et al., 2021)."
+        ),
+    )
+    temperature: float | None = Field(
+        None, gt=0.0, description="Sampling temperature when n > 1; null = rollout.temperature."
+    )
+    pass_k: list[int] = Field(
+        default_factory=lambda: [1],
+        description="k values of pass@k reported when n > 1 (each <= n); pass@n is always shown.",
+    )
 
 
 class CheckpointConfig(_Section):
@@ -132,7 +165,45 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
 
 
-EnvConfig = Annotated[PlanPathConfig, Field(discriminator="name")]
+SHARED_POLICY = "shared"
+# Policy ids name checkpoint folders and peft adapters: a letter or digit, then [A-Za-z0-9_-].
+_POLICY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+_LORA_PREFIX = "lora_"  # peft warns about (and may re-initialise) adapters named inside it
+
+
+class LoraConfig(_Section):
+    """A LoRA adapter (peft) on a frozen base model: W + (alpha / r) * B @ A."""
+
+    r: int = Field(8, ge=1, description="Rank of the update B @ A.")
+    alpha: int = Field(16, ge=1, description="Scale numerator: the update is alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the linear modules that get an adapter (Llama/Qwen attention).",
+    )
+
+
+class PolicyConfig(_Section):
+    """One trainable policy: a whole model (L1, L3) or a LoRA adapter on a shared base (L2)."""
+
+    model: str | None = Field(
+        None, description="Model path or built-in name of this policy; null = model.path."
+    )
+    lora: LoraConfig | None = Field(
+        None, description="Train a LoRA adapter on a frozen base instead of the whole model."
+    )
+    base: str | None = Field(
+        None,
+        description=(
+            "LoRA policies with the same base name share one base model (one peft model, one "
+            "named adapter each); null = share with every LoRA policy on the same model path."
+        ),
+    )
+    lr: float | None = Field(None, gt=0.0, description="Learning rate; null = train.lr.")
+    weight_decay: float | None = Field(
+        None, ge=0.0, description="AdamW weight decay; null = train.weight_decay."
+    )
 
 
 class Config(_Section):
@@ -144,15 +215,80 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
     eval: EvalConfig = Field(default_factory=EvalConfig)  # type: ignore[arg-type]
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
+    policies: dict[str, PolicyConfig] = Field(
+        default_factory=lambda: {SHARED_POLICY: PolicyConfig()},  # type: ignore[call-arg]
+        description=(
+            "Policy id -> settings. The default, one policy 'shared' on model.path, is L1 (or L0 "
+            "with a single-agent workflow); one LoRA policy per agent on one base is L2; one "
+            "model per agent is L3; mixes are allowed."
+        ),
+    )
+    routing: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Agent id -> policy id: who acts for (and learns from) each agent. An agent not "
+            "listed uses the only policy when there is exactly one."
+        ),
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         trajectory = self.algo.grouping is Grouping.TRAJECTORY
         if trajectory and self.rollout.sampling is not Sampling.INDEPENDENT:
-            raise ValueError(
-                "algo.grouping=trajectory (plain GRPO) needs rollout.sampling=independent"
+            raise KeyedValueError(
+                "algo.grouping", "trajectory (plain GRPO) needs rollout.sampling=independent"
             )
+        if self.eval.samples_per_task > 1:
+            for k in self.eval.pass_k:
+                if not 1 <= k <= self.eval.samples_per_task:
+                    raise KeyedValueError(
+                        "eval.pass_k",
+                        f"pass@{k} needs 1 <= k <= eval.samples_per_task "
+                        f"({self.eval.samples_per_task})",
+                    )
+        self._check_policies()
         return self
+
+    def _check_policies(self) -> None:
+        if not self.policies:
+            raise KeyedValueError("policies", "define at least one policy")
+        bases: dict[str, tuple[str, str]] = {}  # base name -> (model path, first policy id)
+        for pid, pol in self.policies.items():
+            if not _POLICY_ID.match(pid):
+                raise KeyedValueError(
+                    f"policies.{pid}", "a policy id is a letter or digit, then [A-Za-z0-9_-]"
+                )
+            if pol.lora is None:
+                if pol.base is not None:
+                    raise KeyedValueError(
+                        f"policies.{pid}.base",
+                        "only LoRA policies (with a lora section) share a base",
+                    )
+                continue
+            if pid in _LORA_PREFIX:
+                raise KeyedValueError(
+                    f"policies.{pid}", f"peft reserves adapter names inside {_LORA_PREFIX!r}"
+                )
+            path, base = self.policy_model(pid), self.lora_base(pid)
+            first_path, first = bases.setdefault(base, (path, pid))
+            if first_path != path:
+                raise KeyedValueError(
+                    f"policies.{pid}.model",
+                    f"base {base!r} is {first_path!r} (policy {first!r}), not {path!r}",
+                )
+        for agent, pid in self.routing.items():
+            if pid not in self.policies:
+                raise KeyedValueError(
+                    f"routing.{agent}", f"unknown policy {pid!r}; policies: {sorted(self.policies)}"
+                )
+
+    def policy_model(self, policy_id: str) -> str:
+        """The model path of a policy (its own, or model.path)."""
+        return self.policies[policy_id].model or self.model.path
+
+    def lora_base(self, policy_id: str) -> str:
+        """The name of the shared base a LoRA policy's adapter lives on."""
+        return self.policies[policy_id].base or f"model:{self.policy_model(policy_id)}"
 
     @property
     def run_dir(self) -> Path:
@@ -167,7 +303,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or a null section such as `lora: null`
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
         node = child
@@ -198,13 +336,23 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def _format_error(err: ValidationError, raw: dict[str, Any]) -> str:
     first = err.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, KeyedValueError):
+        return f"invalid value for {cause.key!r}: {cause}"
     loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
     # Discriminated unions put the tag in the location ("env.plan_path.grid_size").
     if len(loc) > 1 and loc[0] == "env" and loc[1] == str(raw.get("env", {}).get("name", "")):
         loc.pop(1)
     key = ".".join(loc) or "<root>"
     if first["type"] == "extra_forbidden":
-        known = _known_keys(Config) + _known_keys(PlanPathConfig, "env.")
+        env_name = raw.get("env", {}).get("name", PlanPathConfig.model_fields["name"].default)
+        env_models = [m for m in ENV_CONFIGS if m.model_fields["name"].default == env_name]
+        known = _known_keys(Config)
+        for env_model in env_models or ENV_CONFIGS:
+            known += _known_keys(env_model, "env.")
+        if len(loc) > 2 and loc[0] == "policies":  # a mapping of sections keyed by policy id
+            known += _known_keys(PolicyConfig, f"policies.{loc[1]}.")
+            known += _known_keys(LoraConfig, f"policies.{loc[1]}.lora.")
         close = difflib.get_close_matches(key, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"unknown config key {key!r}{hint}"
@@ -213,22 +361,62 @@ def _format_error(err: ValidationError, raw: dict[str, Any]) -> str:
     return f"invalid value for {key!r}: {first['msg']} (got {shown})"
 
 
+EXTENDS = "extends"  # top-level key: the path (relative to this file) of a config to build on
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    return loaded or {}
+
+
+def read_raw_config(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file as a plain mapping, with ``extends:`` resolved.
+
+    ``extends: other.yaml`` builds on another file: a section of this file (``algo:``,
+    ``env:``, ...) updates the other's key by key; ``policies`` and ``routing`` replace the
+    other's whole mapping, so a per-role config never inherits a stray ``shared`` policy, and
+    so does an ``env`` of another env family (another ``name``).
+    """
+    p = Path(path).resolve()
+    if p in _seen:
+        raise ConfigError(f"config file {str(path)!r}: 'extends' loops back to itself")
+    raw = _read_yaml(Path(path))
+    parent = raw.pop(EXTENDS, None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"config file {str(path)!r}: 'extends' must be a file path")
+    merged = read_raw_config(p.parent / parent, (*_seen, p))
+    sections = {name for name in _known_keys(Config) if "." not in name} - {"policies", "routing"}
+    for key, value in raw.items():
+        old = merged.get(key)
+        other_env = key == "env" and isinstance(value, dict) and "name" in value
+        if other_env and isinstance(old, dict) and old.get("name", value["name"]) != value["name"]:
+            merged[key] = value
+        elif key in sections and isinstance(old, dict) and isinstance(value, dict):
+            merged[key] = {**old, **value}
+        else:
+            merged[key] = value
+    return merged
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
     """Read a YAML config (or the defaults when ``path`` is None) and apply overrides."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-        raw = loaded or {}
+    return config_from_raw(read_raw_config(path) if path is not None else {}, overrides)
+
+
+def config_from_raw(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Validate a config mapping (as :func:`read_raw_config` returns it) after ``overrides``."""
+    raw = copy.deepcopy(raw)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(raw, key, value)

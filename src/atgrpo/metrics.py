@@ -83,6 +83,14 @@ def step_summary(step: int, total: int, metrics: dict[str, float], agents: tuple
     ]
     if "loss/loss" in metrics:
         parts.append(f"loss {metrics['loss/loss']:+.4f}")
+    else:  # several policies: loss/<policy>/loss
+        losses = {
+            k.split("/")[1]: v
+            for k, v in metrics.items()
+            if k.count("/") == 2 and k.startswith("loss/") and k.endswith("/loss")
+        }
+        if losses:
+            parts.append("loss " + "  ".join(f"{p} {v:+.4f}" for p, v in losses.items()))
     if "eval/success" in metrics:
         parts.append(f"val-success {metrics['eval/success']:.2f}")
     parts.append(f"{metrics.get('perf/step_s', 0.0):.1f}s")

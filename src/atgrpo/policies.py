@@ -1,33 +1,161 @@
-"""Policies: a model, its tokenizer, optimizer and schedule, and the agent -> policy routing.
+"""Policies: models, LoRA adapters and optimizers, and the agent -> policy routing (L0..L3).
 
-This issue's regime is L1: one shared policy acts for every agent and roles differ only by
-prompt. The routing is nonetheless explicit (``policy_of``), so every sample carries the id of
-the policy that produced it and is used to update that policy alone.
+A policy acts for one or more agents and learns from their samples alone (PAPER.md, "The
+training system"). The regimes are one mechanism, chosen by ``policies`` and ``routing`` in the
+config:
+
+* **L0 / L1**: one policy (``shared``) on one model for every agent; roles differ by prompt.
+* **L2**: one frozen base model wrapped once by peft, with one named LoRA adapter per policy.
+  A policy activates its adapter (``set_adapter``) before it generates or computes a loss, and
+  its optimizer holds only its adapter's parameters, so the other adapters and the base stay
+  bit-identical (DESIGN.md, invariant 4). There is one model in memory, never a copy per agent.
+* **L3**: a separate model per policy (other checkpoints or sizes allowed), each with its own
+  optimizer, learning rate and tokenizer.
+
+Mixed maps (three agents on two policies, an adapter next to a whole model) use the same code.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from atgrpo.config import Config, Precision
+from atgrpo.config import SHARED_POLICY, Config, ConfigError, LoraConfig, Precision
 from atgrpo.envs.base import Message
-from atgrpo.models import bf16_supported, load_model
+from atgrpo.generation import Generation, HFGenerator
+from atgrpo.models import ModelError, bf16_supported, load_model
+from atgrpo.records import Sample
 
-SHARED_POLICY = "shared"
+__all__ = [
+    "SHARED_POLICY",
+    "Policy",
+    "PolicyGenerator",
+    "build_policies",
+    "build_policy",
+    "describe_regime",
+    "make_encoder",
+    "resolve_routing",
+    "route_samples",
+    "shared_routing",
+    "swapped_routing",
+]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name inside an adapter folder
 
 
 @dataclass
 class Policy:
     policy_id: str
-    model: Any
+    model: Any  # the module to run: the policy's own model, or the peft model holding its adapter
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     autocast_dtype: torch.dtype | None  # bf16 autocast over fp32 master weights, or None
+    params: list[torch.nn.Parameter]  # the parameters this policy trains (and clips), only these
+    adapter: str | None = None  # L2: the name of this policy's LoRA adapter on ``model``
+    reference: Any | None = None  # frozen initial whole model for the KL term (None for L2)
+
+    def activate(self) -> None:
+        """Route ``model``'s forward through this policy's adapter (no-op for whole models)."""
+        if self.adapter is not None:
+            self.model.set_adapter(self.adapter)
+
+
+class PolicyGenerator:
+    """The rollout engine of one policy: activates its adapter, then samples (HF backend)."""
+
+    def __init__(self, policy: Policy, max_batch_size: int | None = None) -> None:
+        self.policy = policy
+        self.engine = HFGenerator(
+            policy.model,
+            policy.tokenizer,
+            autocast_dtype=policy.autocast_dtype,
+            max_batch_size=max_batch_size,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None
+    ) -> list[Generation]:
+        self.policy.activate()  # one call per adapter group: every prompt here is this policy's
+        return self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+
+
+def shared_routing(agents: tuple[str, ...]) -> dict[str, str]:
+    """L1: every agent acts with the one shared policy."""
+    return dict.fromkeys(agents, SHARED_POLICY)
+
+
+def resolve_routing(cfg: Config, agents: tuple[str, ...]) -> dict[str, str]:
+    """``cfg.routing`` completed for the env's agents; every agent gets exactly one policy."""
+    for agent in cfg.routing:
+        if agent not in agents:
+            raise ConfigError(
+                f"invalid value for 'routing.{agent}': the env has no agent {agent!r} "
+                f"(agents: {', '.join(agents)})"
+            )
+    only = next(iter(cfg.policies)) if len(cfg.policies) == 1 else None
+    policy_of: dict[str, str] = {}
+    for agent in agents:
+        pid = cfg.routing.get(agent, only)
+        if pid is None:
+            raise ConfigError(
+                f"agent {agent!r} has no policy: set routing.{agent}=<one of "
+                f"{', '.join(cfg.policies)}>"
+            )
+        policy_of[agent] = pid
+    return policy_of
+
+
+def swapped_routing(cfg: Config, agents: tuple[str, ...], pair: tuple[str, str]) -> list[str]:
+    """Overrides that exchange the policies of two agents (the paper's swapped-roles ablation)."""
+    policy_of = resolve_routing(cfg, agents)
+    a, b = pair
+    for agent in pair:
+        if agent not in policy_of:
+            raise ConfigError(f"--swap: no agent {agent!r} (agents: {', '.join(agents)})")
+    return [f"routing.{a}={policy_of[b]}", f"routing.{b}={policy_of[a]}"]
+
+
+def route_samples(samples: list[Sample], policy_ids: list[str]) -> dict[str, list[Sample]]:
+    """Each sample to the policy that produced it; a sample of an unknown policy raises."""
+    routed: dict[str, list[Sample]] = {pid: [] for pid in policy_ids}
+    for s in samples:
+        if s.policy_id not in routed:
+            raise KeyError(
+                f"sample of agent {s.agent_id!r} names policy {s.policy_id!r}, which is not "
+                f"trained here (policies: {policy_ids})"
+            )
+        routed[s.policy_id].append(s)
+    return routed
+
+
+def describe_regime(cfg: Config, policy_of: Mapping[str, str]) -> str:
+    """A short name for the run's regime: L0, L1, L2, L3 or mixed."""
+    used = sorted(set(policy_of.values()))
+    lora = [pid for pid in used if cfg.policies[pid].lora is not None]
+    if len(policy_of) == 1:
+        return "L0 single agent" + (" (LoRA)" if lora else "")
+    if len(used) == 1:
+        return "L1 shared policy" + (" (LoRA)" if lora else "")
+    if len(lora) == len(used) and len({cfg.lora_base(pid) for pid in lora}) == 1:
+        return f"L2 one LoRA adapter per policy ({', '.join(used)}) on one base"
+    if not lora:
+        return f"L3 separate models ({', '.join(used)})"
+    return f"mixed ({', '.join(used)}; LoRA: {', '.join(lora)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Building policies
 
 
 def autocast_dtype_for(precision: Precision) -> torch.dtype | None:
@@ -50,28 +178,169 @@ def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Any:
     return factor
 
 
-def build_policy(cfg: Config, policy_id: str = SHARED_POLICY, weights: str | None = None) -> Policy:
-    """Load ``weights`` (a checkpoint's policy folder) or ``cfg.model.path``, with an optimizer."""
-    model, tokenizer = load_model(weights or cfg.model.path)
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+def _policy(
+    cfg: Config,
+    policy_id: str,
+    model: Any,
+    tokenizer: Any,
+    params: list[torch.nn.Parameter],
+    adapter: str | None = None,
+    reference: Any | None = None,
+) -> Policy:
+    """A policy with its own AdamW over ``params`` and LR schedule (per-policy lr / decay)."""
+    settings = cfg.policies[policy_id]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.train.lr,
+        params,
+        lr=settings.lr if settings.lr is not None else cfg.train.lr,
         betas=cfg.train.betas,
-        weight_decay=cfg.train.weight_decay,
+        weight_decay=(
+            settings.weight_decay if settings.weight_decay is not None else cfg.train.weight_decay
+        ),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.train.warmup_steps, cfg.train.steps, cfg.train.schedule)
     )
     return Policy(
-        policy_id, model, tokenizer, optimizer, scheduler, autocast_dtype_for(cfg.model.precision)
+        policy_id,
+        model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        autocast_dtype_for(cfg.model.precision),
+        params,
+        adapter=adapter,
+        reference=reference,
     )
 
 
-def shared_routing(agents: tuple[str, ...]) -> dict[str, str]:
-    """L1: every agent acts with the one shared policy."""
-    return {agent: SHARED_POLICY for agent in agents}
+def _frozen_reference(cfg: Config, policy_id: str) -> Any | None:
+    """The policy's initial model, frozen, when the loss has a KL term (never the checkpoint)."""
+    if cfg.algo.kl_coef <= 0:
+        return None
+    model, _ = load_model(cfg.policy_model(policy_id))
+    return model.eval().requires_grad_(False)
+
+
+def build_policy(cfg: Config, policy_id: str = SHARED_POLICY, weights: str | None = None) -> Policy:
+    """A whole-model policy: ``weights`` (a checkpoint's policy folder) or its configured model."""
+    if cfg.policies[policy_id].lora is not None:
+        raise ValueError(f"policy {policy_id!r} is a LoRA policy; use build_policies")
+    model, tokenizer = load_model(weights or cfg.policy_model(policy_id))
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return _policy(
+        cfg, policy_id, model, tokenizer, params, reference=_frozen_reference(cfg, policy_id)
+    )
+
+
+def _peft_config(lora: LoraConfig) -> Any:
+    import peft
+
+    return peft.LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def _adapter_parameters(model: Any, adapter: str) -> list[torch.nn.Parameter]:
+    """The parameters of one named adapter: its entries in every tuner layer of ``model``."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    params: list[torch.nn.Parameter] = []
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for layer_name in module.adapter_layer_names:
+            layers = getattr(module, layer_name)
+            if adapter in layers:
+                item = layers[adapter]
+                params.extend([item] if isinstance(item, torch.nn.Parameter) else item.parameters())
+    if not params:
+        raise ValueError(f"adapter {adapter!r} has no parameters: check lora.target_modules")
+    return params
+
+
+def _load_adapter_weights(model: Any, adapter: str, folder: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = folder / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise ModelError(
+            f"{folder} holds no LoRA adapter ({ADAPTER_WEIGHTS}) but policy {adapter!r} is a "
+            "LoRA policy; check that the config matches the checkpoint's run"
+        )
+    result: Any = set_peft_model_state_dict(model, load_file(str(file)), adapter_name=adapter)
+    own = {id(p) for p in _adapter_parameters(model, adapter)}
+    missing = set(result.missing_keys) & {n for n, p in model.named_parameters() if id(p) in own}
+    if result.unexpected_keys or missing:
+        raise ModelError(
+            f"adapter {folder} does not fit policy {adapter!r} (other lora settings?): "
+            f"{len(missing)} of its tensors missing, {len(result.unexpected_keys)} unexpected"
+        )
+
+
+def build_lora_policies(
+    cfg: Config, policy_ids: list[str], weights: Mapping[str, Path] | None = None
+) -> dict[str, Policy]:
+    """L2: one base model, one peft wrapper, one named adapter per policy in ``policy_ids``.
+
+    ``weights`` maps a policy id to a saved adapter folder to load (resume, evaluation).
+    """
+    from peft import get_peft_model
+
+    path = cfg.policy_model(policy_ids[0])
+    base, tokenizer = load_model(path)
+    if cfg.model.gradient_checkpointing:
+        base.gradient_checkpointing_enable()
+        base.enable_input_require_grads()  # the frozen embeddings would cut the graph otherwise
+    model = None
+    for pid in policy_ids:
+        lora = cfg.policies[pid].lora
+        assert lora is not None
+        if model is None:
+            with warnings.catch_warnings():  # peft calls an API transformers 5 deprecates
+                warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+                model = get_peft_model(base, _peft_config(lora), adapter_name=pid)
+        else:
+            model.add_adapter(pid, _peft_config(lora))
+        if weights and pid in weights:
+            _load_adapter_weights(model, pid, weights[pid])
+    return {
+        pid: _policy(cfg, pid, model, tokenizer, _adapter_parameters(model, pid), adapter=pid)
+        for pid in policy_ids
+    }
+
+
+def build_policies(cfg: Config, weights: Mapping[str, Path] | None = None) -> dict[str, Policy]:
+    """Every policy of ``cfg``, in config order: whole models, and LoRA adapters per base.
+
+    ``weights`` maps policy ids to checkpoint folders (a whole model, or an adapter alone).
+    """
+    weights = weights or {}
+    bases: dict[str, list[str]] = {}
+    for pid, settings in cfg.policies.items():
+        if settings.lora is not None:
+            bases.setdefault(cfg.lora_base(pid), []).append(pid)
+    built: dict[str, Policy] = {}
+    for pid, settings in cfg.policies.items():
+        if pid in built:
+            continue
+        if settings.lora is None:
+            folder = weights.get(pid)
+            if folder is not None and not (folder / "config.json").is_file():
+                raise ModelError(
+                    f"{folder} holds no whole model (config.json) but policy {pid!r} trains "
+                    "one; check that the config matches the checkpoint's run"
+                )
+            built[pid] = build_policy(cfg, pid, str(folder) if folder else None)
+        else:
+            built.update(build_lora_policies(cfg, bases[cfg.lora_base(pid)], weights))
+    return {pid: built[pid] for pid in cfg.policies}
 
 
 def make_encoder(tokenizer: Any, max_prompt_tokens: int) -> Any:

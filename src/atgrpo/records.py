@@ -23,7 +23,7 @@ class Sample:
     logprobs: list[float]  # log-probs of response_ids under the *sampled* distribution
     team_reward: float
     local_reward: float
-    reward: float  # alpha * team_reward + local_reward
+    reward: float  # alpha * team_reward + local_weight * local_reward (local_weight 1 by default)
     valid: bool  # the completion parsed into a legal action
     kept: bool = False  # tree sampling: this branch was selected to continue the episode
     advantage: float = 0.0

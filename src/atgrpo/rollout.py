@@ -10,12 +10,14 @@ Independent sampling: K full trajectories per task, each with one sample per ste
 selected. Both are one loop over *slots*: tree mode has one slot per task and width K; independent
 mode has K slots per task and width 1.
 
-All K samples of all live slots for one agent and turn go to the generator in one batched call.
+All K samples of all live slots for one agent and turn go to the generator in one batched call:
+one call per (agent, turn), hence per policy (in L2, per adapter); the policy id of the agent
+is stamped on every sample, which is how the update routes it (DESIGN.md, invariant 4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ class RolloutSettings:
     temperature: float | None  # None: greedy (evaluation)
     max_new_tokens: dict[str, int]  # per agent
     alpha: float
+    local_weight: float = 1.0  # r = alpha * team + local_weight * local
 
 
 @dataclass
@@ -51,14 +54,15 @@ def collect_rollout(
     *,
     generators: dict[str, Generator],
     policy_of: dict[str, str],
-    encode: PromptEncoder,
+    encode: PromptEncoder | Mapping[str, PromptEncoder],
     settings: RolloutSettings,
     pool: ThreadPoolExecutor,
 ) -> Rollout:
     """Run every env (already reset) to the end; return all samples and episode results.
 
-    ``policy_of`` maps each agent id to the id of the policy that acts for it and
-    ``generators`` maps policy ids to their rollout engines.
+    ``policy_of`` maps each agent id to the id of the policy that acts for it,
+    ``generators`` maps policy ids to their rollout engines, and ``encode`` is one prompt
+    encoder, or one per policy id when the policies' tokenizers differ (L3).
     """
     if settings.tree:
         slots = [_Slot(i, s, 0, env) for i, (env, s) in enumerate(zip(envs, seeds, strict=True))]
@@ -97,7 +101,7 @@ def _step_agent(
     width: int,
     generators: dict[str, Generator],
     policy_of: dict[str, str],
-    encode: PromptEncoder,
+    encode: PromptEncoder | Mapping[str, PromptEncoder],
     settings: RolloutSettings,
     pool: ThreadPoolExecutor,
     kept: dict[tuple[int, str, int], int],
@@ -106,7 +110,8 @@ def _step_agent(
     if agent_id not in policy_of:
         raise KeyError(f"agent {agent_id!r} has no policy; known agents: {sorted(policy_of)}")
     policy_id = policy_of[agent_id]
-    prompts = [encode(slot.env.observe(agent_id)) for slot in slots]
+    encoder = encode[policy_id] if isinstance(encode, Mapping) else encode
+    prompts = [encoder(slot.env.observe(agent_id)) for slot in slots]
     batch = [p for p in prompts for _ in range(width)]  # (slots * K) prompts, K in a row
     generations = generators[policy_id].generate(
         batch,
@@ -124,7 +129,7 @@ def _step_agent(
         for k in range(width):
             j = i * width + k
             gen, out = generations[j], outcomes[j]
-            reward = settings.alpha * out.team_reward + out.local_reward
+            reward = settings.alpha * out.team_reward + settings.local_weight * out.local_reward
             rewards.append(reward)
             samples.append(
                 Sample(

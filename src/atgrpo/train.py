@@ -8,7 +8,8 @@
         log, maybe evaluate on validation tasks, maybe checkpoint
 
 Launch: ``atgrpo train configs/demo.yaml`` (``--resume`` to continue a killed run). Every
-implementation choice (envs, generators, routing, settings) is made once, before the loop.
+implementation choice (envs, policies and their regime L0-L3, generators, routing, settings) is
+made once, in :func:`build_runtime`, before the loop.
 """
 
 from __future__ import annotations
@@ -30,9 +31,16 @@ from atgrpo.advantage import AdvantageStats, Grouping, assign_advantages
 from atgrpo.config import Config, Sampling, dump_config
 from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.evaluate import EvalReport, evaluate
-from atgrpo.generation import Generator, HFGenerator
+from atgrpo.generation import Generator
 from atgrpo.metrics import JsonlSink, log_samples, rollout_metrics
-from atgrpo.policies import Policy, build_policy, make_encoder, shared_routing
+from atgrpo.policies import (
+    Policy,
+    PolicyGenerator,
+    build_policies,
+    make_encoder,
+    resolve_routing,
+    route_samples,
+)
 from atgrpo.records import Sample
 from atgrpo.rollout import PromptEncoder, RolloutSettings, collect_rollout
 from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
@@ -45,11 +53,10 @@ class Runtime:
     cfg: Config
     agents: tuple[str, ...]
     policies: dict[str, Policy]
-    generators: dict[str, Generator]
-    policy_of: dict[str, str]
-    encode: PromptEncoder
+    generators: dict[str, Generator]  # per policy id
+    policy_of: dict[str, str]  # agent id -> policy id
+    encode: dict[str, PromptEncoder]  # per policy id (L3 policies may have other tokenizers)
     pool: ThreadPoolExecutor
-    reference: Any | None = None  # frozen copy for the KL term
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -67,38 +74,24 @@ class Runtime:
 
 
 def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
-    """Load the shared policy (from ``checkpoint`` when given) and wire the rollout to it."""
+    """Build every policy (from ``checkpoint`` when given) and wire each agent to its policy."""
     agents = make_env(cfg.env).possible_agents
-    policy_of = shared_routing(agents)
-    policies: dict[str, Policy] = {}
-    for pid in sorted(set(policy_of.values())):
-        weights = str(ckpt.policy_dir(checkpoint, pid)) if checkpoint else None
-        policies[pid] = build_policy(cfg, pid, weights)
-    generators: dict[str, Generator] = {
-        pid: HFGenerator(
-            p.model,
-            p.tokenizer,
-            autocast_dtype=p.autocast_dtype,
-            max_batch_size=cfg.rollout.generation_batch_size or None,
-        )
-        for pid, p in policies.items()
-    }
-    first = next(iter(policies.values()))
-    reference = None
-    if cfg.algo.kl_coef > 0:
-        import copy
-
-        reference = copy.deepcopy(first.model).eval().requires_grad_(False)
+    policy_of = resolve_routing(cfg, agents)
+    weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
+    policies = build_policies(cfg, weights)
+    batch = cfg.rollout.generation_batch_size or None
     workers = cfg.rollout.env_workers or os.cpu_count() or 1
     return Runtime(
         cfg=cfg,
         agents=agents,
         policies=policies,
-        generators=generators,
+        generators={pid: PolicyGenerator(p, batch) for pid, p in policies.items()},
         policy_of=policy_of,
-        encode=make_encoder(first.tokenizer, cfg.rollout.max_prompt_tokens),
+        encode={
+            pid: make_encoder(p.tokenizer, cfg.rollout.max_prompt_tokens)
+            for pid, p in policies.items()
+        },
         pool=ThreadPoolExecutor(max_workers=workers),
-        reference=reference,
     )
 
 
@@ -141,6 +134,7 @@ def _collect(rt: Runtime, step: int) -> Any:
             for a in rt.agents
         },
         alpha=cfg.algo.alpha,
+        local_weight=cfg.algo.local_weight,
     )
     return collect_rollout(
         envs,
@@ -151,6 +145,19 @@ def _collect(rt: Runtime, step: int) -> Any:
         settings=settings,
         pool=rt.pool,
     )
+
+
+def policy_metrics(
+    policies: dict[str, Policy], updates: dict[str, UpdateStats]
+) -> dict[str, float]:
+    """``loss/...`` and ``perf/lr``; namespaced ``loss/<policy>/...`` when there are several."""
+    out: dict[str, float] = {}
+    for pid, stats in updates.items():
+        one = len(updates) == 1
+        out.update(stats.metrics("loss/" if one else f"loss/{pid}/"))
+        lr = float(policies[pid].scheduler.get_last_lr()[0])
+        out["perf/lr" if one else f"perf/lr/{pid}"] = lr
+    return out
 
 
 def _advantages(cfg: Config, samples: list[Sample]) -> AdvantageStats:
@@ -165,7 +172,8 @@ def _advantages(cfg: Config, samples: list[Sample]) -> AdvantageStats:
     )
 
 
-def _update(rt: Runtime, samples: list[Sample]) -> dict[str, UpdateStats]:
+def update_policies(rt: Runtime, samples: list[Sample]) -> dict[str, UpdateStats]:
+    """Route every sample to the policy that produced it; one PPO step per policy."""
     cfg = rt.cfg
     settings = UpdateSettings(
         temperature=cfg.rollout.temperature,
@@ -179,11 +187,8 @@ def _update(rt: Runtime, samples: list[Sample]) -> dict[str, UpdateStats]:
     )
     if cfg.algo.skip_zero_advantage:
         samples = [s for s in samples if s.advantage != 0.0]
-    stats = {}
-    for pid, policy in rt.policies.items():  # route: each policy learns from its own samples
-        own = [s for s in samples if s.policy_id == pid]
-        stats[pid] = ppo_update(policy, own, settings, reference=rt.reference)
-    return stats
+    routed = route_samples(samples, list(rt.policies))  # each policy learns from its own samples
+    return {pid: ppo_update(rt.policies[pid], own, settings) for pid, own in routed.items()}
 
 
 Callback = Callable[[int, dict[str, float]], None]
@@ -222,17 +227,14 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
             rollout = _collect(rt, step)
             t_rollout = time.perf_counter() - t0
             adv_stats = _advantages(cfg, rollout.samples)
-            updates = _update(rt, rollout.samples)
+            updates = update_policies(rt, rollout.samples)
             if cfg.run.log_samples:
                 log_samples(run_dir / "samples.jsonl", step, rollout, cfg.run.log_samples)
             metrics = rollout_metrics(rollout)
             metrics.update(adv_stats.metrics())
-            for pid, stats in updates.items():
-                prefix = "loss/" if len(updates) == 1 else f"loss/{pid}/"
-                metrics.update(stats.metrics(prefix))
+            metrics.update(policy_metrics(rt.policies, updates))
             metrics["perf/rollout_s"] = t_rollout
             metrics["perf/update_s"] = time.perf_counter() - t0 - t_rollout
-            metrics["perf/lr"] = float(next(iter(rt.policies.values())).scheduler.get_last_lr()[0])
             if cfg.eval.every and step % cfg.eval.every == 0:
                 metrics.update(rt.evaluate(Split.VALIDATION, cfg.eval.num_tasks).metrics())
             metrics["perf/step_s"] = time.perf_counter() - t0
@@ -243,8 +245,9 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
                 on_step(step, metrics)
             last = step == cfg.train.steps
             if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                state = {"routing": rt.policy_of, "metrics": metrics}
                 result.checkpoint = ckpt.save_checkpoint(
-                    run_dir, step, rt.policies, {"metrics": metrics}, cfg.checkpoint.keep
+                    run_dir, step, rt.policies, state, cfg.checkpoint.keep
                 )
         if cfg.eval.after_training:
             result.eval_after = rt.evaluate(Split.TEST, cfg.eval.num_tasks)

@@ -111,13 +111,26 @@ class UpdateStats:
         return out
 
 
-def ppo_update(
-    policy: Policy,
-    samples: list[Sample],
-    settings: UpdateSettings,
-    reference: Any | None = None,
-) -> UpdateStats:
-    """One optimizer step on ``samples`` (all of them produced by ``policy``)."""
+def reference_logits(policy: Policy, batch: Batch) -> torch.Tensor:
+    """Logits of the frozen starting point of ``policy`` for the KL term: (B, R, V).
+
+    L2: the shared base with every adapter switched off; whole models: the initial copy.
+    """
+    with torch.no_grad():
+        if policy.adapter is not None:
+            with policy.model.disable_adapter():
+                return response_logits(policy.model, batch, policy.autocast_dtype)
+        if policy.reference is None:
+            raise ValueError(f"policy {policy.policy_id!r} has no reference model for the KL term")
+        return response_logits(policy.reference, batch, policy.autocast_dtype)
+
+
+def ppo_update(policy: Policy, samples: list[Sample], settings: UpdateSettings) -> UpdateStats:
+    """One optimizer step on ``samples`` (all of them produced by ``policy``).
+
+    Only ``policy.params`` move: in L2 the policy's adapter is activated first and its optimizer
+    holds that adapter alone. With no samples nothing runs, so the policy stays bit-identical.
+    """
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
         raise ValueError(f"policy {policy.policy_id!r} got samples of policies {sorted(foreign)}")
@@ -126,6 +139,7 @@ def ppo_update(
     if not samples:
         return UpdateStats(True, "no samples with signal", 0, 0)
     model, pad_id = policy.model, policy.tokenizer.pad_token_id
+    policy.activate()
     model.train()
     policy.optimizer.zero_grad(set_to_none=True)
     # Similar lengths share a micro-batch: less padding, same result.
@@ -138,10 +152,9 @@ def ppo_update(
         logits = response_logits(model, batch, policy.autocast_dtype)  # (B, R, V)
         logprobs = token_logprobs(logits, batch.targets, settings.temperature)  # (B, R)
         ref_logprobs = None
-        if reference is not None and settings.kl_coef > 0:
-            with torch.no_grad():
-                ref_logits = response_logits(reference, batch, policy.autocast_dtype)
-                ref_logprobs = token_logprobs(ref_logits, batch.targets, settings.temperature)
+        if settings.kl_coef > 0:
+            ref_logits = reference_logits(policy, batch)
+            ref_logprobs = token_logprobs(ref_logits, batch.targets, settings.temperature)
         entropy = (
             entropy_from_logits(logits, settings.temperature) if settings.entropy_coef > 0 else None
         )
@@ -169,7 +182,7 @@ def ppo_update(
             totals[k] += float(getattr(out, k).detach())
         for k in weighted:
             weighted[k] += float(getattr(out, k).detach()) * share
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.params, settings.grad_clip))
     if not torch.isfinite(torch.tensor(grad_norm)):
         policy.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(

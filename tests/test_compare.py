@@ -1,0 +1,174 @@
+"""`atgrpo compare`: methods x benchmarks on the same held-out tasks -> table.md / table.csv."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from atgrpo.compare import (
+    Benchmark,
+    Cell,
+    Comparison,
+    Method,
+    cell_config,
+    load_comparison,
+    markdown_table,
+    run_comparison,
+    table_rows,
+    write_tables,
+)
+from atgrpo.config import ConfigError, load_config
+from atgrpo.envs import Split
+from atgrpo.evaluate import EvalReport
+from atgrpo.train import train
+from conftest import REPO
+
+FAST = ["rollout.max_prompt_tokens=192", "rollout.max_new_tokens=8"]
+
+
+def _cell(method: str, bench: str, success: float, **kw: object) -> Cell:
+    report = EvalReport("test", 10, success, 0.0, **kw)  # type: ignore[arg-type]
+    return Cell(method, bench, report, "", "c.yaml")
+
+
+def test_table_has_success_and_the_delta_to_the_first_row(tmp_path: Path) -> None:
+    cells = [
+        _cell("Single agent", "Plan-Path", 0.05),
+        _cell("Single agent", "Sudoku", 0.07),
+        _cell("MAS", "Plan-Path", 0.10),
+        _cell("MAS", "Sudoku", 0.69),
+        _cell("MAS + AT-GRPO", "Plan-Path", 0.96),
+        _cell("MAS + AT-GRPO", "Sudoku", 0.99),
+    ]
+    header, rows = table_rows(cells)
+    assert header == ["Method", "Plan-Path", "Sudoku"]
+    # deltas in points: 10 - 5 = +5, 69 - 7 = +62, 96 - 5 = +91, 99 - 7 = +92
+    assert rows == [
+        ["Single agent", "5.00", "7.00"],
+        ["MAS", "10.00 (+5.00)", "69.00 (+62.00)"],
+        ["MAS + AT-GRPO", "96.00 (+91.00)", "99.00 (+92.00)"],
+    ]
+    md = markdown_table(cells)
+    assert md.splitlines()[0] == "| Method | Plan-Path | Sudoku |"
+    assert "| MAS + AT-GRPO | 96.00 (+91.00) | 99.00 (+92.00) |" in md
+    assert "on 10 test tasks per benchmark (greedy)" in md
+    md_path, csv_path = write_tables(cells, tmp_path)
+    assert md_path.read_text() == md
+    lines = list(csv.DictReader(csv_path.open()))
+    assert [
+        (r["method"], r["benchmark"], r["success"], r["delta_to_first"]) for r in lines[:3]
+    ] == [
+        ("Single agent", "Plan-Path", "5.00", "0.00"),
+        ("Single agent", "Sudoku", "7.00", "0.00"),
+        ("MAS", "Plan-Path", "10.00", "5.00"),
+    ]
+
+
+def test_csv_has_pass_at_k_columns_when_sampled(tmp_path: Path) -> None:
+    sampled = {"samples_per_task": 4, "pass_at": {1: 0.25, 4: 0.5}}
+    cells = [_cell("A", "P", 0.25, **sampled), _cell("B", "P", 0.5, **sampled)]
+    _, csv_path = write_tables(cells, tmp_path)
+    rows = list(csv.DictReader(csv_path.open()))
+    assert rows[1]["pass@1"] == "25.00" and rows[1]["pass@4"] == "50.00"
+    assert "avg@4 (sampled)" in (tmp_path / "table.md").read_text()
+
+
+def test_a_benchmark_env_replaces_the_env_but_not_the_methods_workflow() -> None:
+    comparison = Comparison(
+        eval={"num_tasks": 3, "samples_per_task": 2},
+        benchmarks=[Benchmark(name="6x6", env={"name": "plan_path", "grid_size": 6})],
+        methods=[Method(label="single", config=str(REPO / "configs" / "tiny-single.yaml"))],
+    )
+    cfg = cell_config(comparison, comparison.methods[0], comparison.benchmarks[0])
+    assert cfg.env.grid_size == 6 and cfg.env.workflow.value == "single"
+    assert cfg.env.max_turns == load_config(None).env.max_turns  # tiny.yaml's env is replaced
+    assert (cfg.eval.num_tasks, cfg.eval.samples_per_task) == (3, 2)
+
+
+def test_every_cell_is_evaluated_on_the_same_split() -> None:
+    comparison = Comparison(
+        split=Split.VALIDATION,
+        benchmarks=[Benchmark(name="a"), Benchmark(name="b", overrides=["env.grid_size=5"])],
+        methods=[
+            Method(label="x", config=str(REPO / "configs" / "tiny.yaml")),
+            Method(label="y", config=str(REPO / "configs" / "tiny-single.yaml")),
+        ],
+    )
+    calls = []
+
+    def fake(cfg, checkpoint, split):
+        calls.append((cfg.env.grid_size, cfg.env.workflow.value, checkpoint, split))
+        return EvalReport(split.value, 1, 0.5, 0.0)
+
+    cells = run_comparison(comparison, evaluate=fake)
+    assert [(c.method, c.benchmark) for c in cells] == [
+        ("x", "a"), ("y", "a"), ("x", "b"), ("y", "b"),
+    ]  # fmt: skip
+    assert calls == [
+        (4, "mas", None, Split.VALIDATION),
+        (4, "single", None, Split.VALIDATION),
+        (5, "mas", None, Split.VALIDATION),
+        (5, "single", None, Split.VALIDATION),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("methods: []\nbenchmarks: [{name: a}]", "invalid value for 'methods'"),
+        (
+            "methods: [{label: x, config: c.yaml, oops: 1}]\nbenchmarks: [{name: a}]",
+            "'methods.0.oops'",
+        ),
+        (
+            "benchmarks: [{name: a}, {name: b}]\n"
+            "methods: [{label: x, config: c.yaml, checkpoint: {a: runs/x}}]",
+            "methods.0.checkpoint has no entry for benchmark(s) ['b']",
+        ),
+    ],
+)
+def test_comparison_file_errors_are_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "cmp.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_comparison(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_compare_produces_the_plan_path_table_with_the_tiny_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shipped tiny table, every paper row, on runs trained here for one step each."""
+    from atgrpo.cli import main
+
+    for config, name in [
+        ("tiny-single-grpo.yaml", "tiny-single-grpo"),
+        ("tiny.yaml", "tiny"),
+        ("tiny-lora.yaml", "tiny-lora"),
+    ]:
+        overrides = [f"run.output_dir={tmp_path / 'runs'}", f"run.name={name}", "train.steps=1"]
+        train(load_config(REPO / "configs" / config, [*overrides, *FAST]))
+    spec = yaml.safe_load((REPO / "configs" / "compare" / "tiny-table.yaml").read_text())
+    for method in spec["methods"]:
+        method["config"] = str(REPO / method["config"])
+        if method.get("checkpoint"):
+            method["checkpoint"] = str(tmp_path / method["checkpoint"])
+    spec["output_dir"] = str(tmp_path / "table")
+    path = tmp_path / "tiny-table.yaml"
+    path.write_text(yaml.safe_dump(spec))
+
+    assert main(["compare", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "[6/6] Plan-Path 4x4 | MAS + AT-GRPO (per-role LoRA), policies swapped" in out
+    md = (tmp_path / "table" / "table.md").read_text().splitlines()
+    assert md[0] == "| Method | Plan-Path 4x4 |"
+    labels = [row.split(" | ")[0].removeprefix("| ") for row in md[2:8]]
+    assert labels == [m["label"] for m in spec["methods"]]
+    assert all("(" in row for row in md[3:8])  # every row after the first shows its delta
+    rows = list(csv.DictReader((tmp_path / "table" / "table.csv").open()))
+    assert len(rows) == 6 and rows[0]["delta_to_first"] == "0.00"
+    assert {r["num_tasks"] for r in rows} == {"2"} and {r["split"] for r in rows} == {"test"}
+    assert rows[1]["checkpoint"].endswith("step-000001") and rows[0]["checkpoint"] == ""
