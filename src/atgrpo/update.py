@@ -10,6 +10,7 @@ token / sequence count as the normaliser, so the step equals one full-batch step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,10 @@ class Batch:
     mask: torch.Tensor  # (B, R) 1.0 on real response tokens
     old_logprobs: torch.Tensor  # (B, R)
     advantages: torch.Tensor  # (B,)
+
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on ``device`` (the model's: CPU or CUDA)."""
+        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
@@ -148,7 +153,7 @@ def ppo_update(policy: Policy, samples: list[Sample], settings: UpdateSettings) 
     weighted = dict.fromkeys(("clip_frac", "ratio_mean", "approx_kl"), 0.0)
     for start in range(0, len(ordered), settings.micro_batch_size):
         chunk = ordered[start : start + settings.micro_batch_size]
-        batch = collate(chunk, pad_id)
+        batch = collate(chunk, pad_id).to(next(model.parameters()).device)
         logits = response_logits(model, batch, policy.autocast_dtype)  # (B, R, V)
         logprobs = token_logprobs(logits, batch.targets, settings.temperature)  # (B, R)
         ref_logprobs = None
