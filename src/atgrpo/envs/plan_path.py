@@ -212,10 +212,14 @@ PLAN_PATH: PuzzleSpec[PlanPathConfig, PlanPathPuzzle] = PuzzleSpec(
     name="plan_path",
     planner_system="You walk a grid maze to the goal G.",
     tool_system="You write short Python programs that solve grid mazes.",
-    planner_instruction="Answer with your moves to G, like:\nMoves: R R D",
+    # The examples say how an answer relates to the board (small models copy examples).
+    planner_instruction=(
+        "Answer with your moves to G. Example: if G is 2 down and 1 right of you, answer\n"
+        "Moves: D D R"
+    ),
     tool_instruction=(
-        "Write a short Python program that prints your moves to G, like:\n"
-        '```python\nprint("R R D")\n```'
+        "Write a short Python program that prints your moves to G. Example: if G is 2 down "
+        'and 1 right of you:\n```python\nprint("D D R")\n```'
     ),
     planner_prefix="Moves:",
     unparsed_summary="Your last answer had no valid Moves: line; you did not move.",
