@@ -1,17 +1,25 @@
 """The sandbox against the programs an RL-trained model may write.
 
+"Hostile programs" holds the issue's list, each contained, reported as a typed status, with this
+test process unharmed: infinite loop, fork bomb, memory bomb, disk fill, writing outside the temp
+dir (and leaving files in the shared temp dirs), reading the parent's environment, opening a
+network connection, killing the parent process, printing gigabytes, closing stdout.
+
 Tests marked `needs_root` check isolation that only exists when running as root (with namespaces
-and a dropped uid); as an ordinary user they are skipped.
+and a dropped uid); as an ordinary user they are skipped. Tests taking the `backend` fixture run
+once per backend: unshare always, bwrap only as root where bubblewrap is installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import resource
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
@@ -21,13 +29,53 @@ from pathlib import Path
 import pytest
 
 from atgrpo import sandbox
-from atgrpo.sandbox import ExitStatus, SandboxLimits, SandboxWarning, run_many, run_python
+from atgrpo.sandbox import (
+    Backend,
+    ExitStatus,
+    SandboxLimits,
+    SandboxSetupError,
+    SandboxWarning,
+    run_many,
+    run_python,
+)
 
 FAST = SandboxLimits(wall_time_s=2.0, cpu_time_s=2)
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="isolation needs root (namespaces, setuid)")
+SHARED_TMP_DIRS = [d for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock") if os.path.isdir(d)]
+FAILING_MOUNT_STEP = 'echo "mount: /tmp: simulated failure" >&2; exit 32'
 
 pytestmark = pytest.mark.filterwarnings("ignore::atgrpo.sandbox.SandboxWarning")
+
+
+@pytest.fixture(
+    params=[
+        Backend.UNSHARE,
+        pytest.param(
+            Backend.BWRAP,
+            marks=pytest.mark.skipif(
+                not IS_ROOT or shutil.which("bwrap") is None,
+                reason="bubblewrap is not installed (or not root)",
+            ),
+        ),
+    ],
+    ids=lambda backend: backend.value,
+)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """Run the test with ATGRPO_SANDBOX set to each backend."""
+    chosen: Backend = request.param
+    monkeypatch.setenv(sandbox.BACKEND_ENV_VAR, chosen.value)
+    return chosen
+
+
+@pytest.fixture
+def sandbox_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private, world-searchable TMPDIR, to see what the sandbox leaves behind."""
+    base = Path(tempfile.mkdtemp(prefix="test-sandbox-"))
+    base.chmod(0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    yield base
+    shutil.rmtree(base)
 
 
 def _sandboxed_pids(under: Path) -> list[int]:
@@ -51,14 +99,13 @@ def _sandboxed_pids(under: Path) -> list[int]:
     return pids
 
 
-@pytest.fixture
-def sandbox_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private, world-searchable TMPDIR, to see what the sandbox leaves behind."""
-    base = Path(tempfile.mkdtemp(prefix="test-sandbox-"))
-    base.chmod(0o755)
-    monkeypatch.setattr(tempfile, "tempdir", str(base))
-    yield base
-    shutil.rmtree(base)
+def _skip_without_private_fs() -> None:
+    if not sandbox._get_launcher().private_fs:
+        pytest.skip("no private file system here (mounting failed: see the SandboxWarning)")
+
+
+def _unshare_launcher() -> sandbox._Launcher:
+    return sandbox._build_launcher(IS_ROOT, Backend.UNSHARE)
 
 
 # --- ordinary programs ----------------------------------------------------------------------
@@ -73,7 +120,7 @@ def test_normal_program_output_and_stdin() -> None:
     assert not r.truncated
 
 
-def test_exception_is_error_with_traceback() -> None:
+def test_exception_is_error_with_traceback(backend: Backend) -> None:
     r = run_python("def f():\n    raise ValueError('boom')\nf()\n", FAST)
     assert r.status is ExitStatus.ERROR
     assert r.exit_code == 1
@@ -91,19 +138,35 @@ def test_non_utf8_output_is_replaced() -> None:
     assert r.stdout == "ok \ufffd\ufffd end\n"
 
 
-def test_clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clean_environment(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", "/nonexistent")
-    r = run_python("import os, json; print(json.dumps([dict(os.environ), os.getcwd()]))", FAST)
-    env, cwd = json.loads(r.stdout)
+    code = "import os, json; print(json.dumps([dict(os.environ), os.getcwd(), os.listdir()]))"
+    r = run_python(code, FAST)
+    env, cwd, files = json.loads(r.stdout)
+    assert env.pop("PWD", cwd) == cwd  # bwrap always sets PWD
     assert set(env) == {"PATH", "LANG", "HOME", "PYTHONDONTWRITEBYTECODE"}
     assert env["PATH"] == "/usr/bin:/bin"
     assert env["HOME"] == cwd
+    assert files == ["prog.py"]  # nothing of the launch's own files
 
 
-# --- resource abuse ---------------------------------------------------------------------------
+def test_work_dir_may_have_spaces_in_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = Path(tempfile.mkdtemp(prefix="test sandbox \\ é "))
+    base.chmod(0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    try:
+        r = run_python("import os; open('f', 'w').write('x'); print(os.getcwd())", FAST)
+        assert r.status is ExitStatus.OK, r.stderr
+        assert r.stdout.startswith(f"{base}/atgrpo-sandbox-")
+        assert list(base.iterdir()) == []
+    finally:
+        shutil.rmtree(base)
 
 
-def test_infinite_loop_times_out() -> None:
+# --- hostile programs -------------------------------------------------------------------------
+
+
+def test_infinite_loop_times_out(backend: Backend) -> None:
     start = time.monotonic()
     r = run_python("print('started')\nwhile True:\n    pass\n", FAST)
     assert r.status is ExitStatus.TIMEOUT
@@ -112,7 +175,7 @@ def test_infinite_loop_times_out() -> None:
     assert time.monotonic() - start < 4.0
 
 
-def test_cpu_limit_is_timeout() -> None:
+def test_cpu_limit_is_timeout(backend: Backend) -> None:
     limits = SandboxLimits(wall_time_s=10.0, cpu_time_s=1)
     r = run_python("while True:\n    pass\n", limits)
     assert r.status is ExitStatus.TIMEOUT
@@ -126,35 +189,8 @@ def test_sleeping_program_times_out_on_wall_clock() -> None:
     assert r.duration_s < 3.0
 
 
-def test_memory_bomb_is_contained() -> None:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))\n", FAST)
-    assert r.status in (ExitStatus.KILLED, ExitStatus.ERROR)
-    if r.status is ExitStatus.ERROR:
-        assert "MemoryError" in r.stderr
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB
-
-
-def test_gigabytes_of_output_are_truncated() -> None:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.monotonic()
-    code = "import sys\nchunk = 'x' * 2**20\nwhile True:\n    sys.stdout.write(chunk)\n"
-    r = run_python(code, FAST)
-    assert r.truncated
-    assert len(r.stdout) == FAST.max_output_bytes
-    assert r.status in (ExitStatus.ERROR, ExitStatus.KILLED, ExitStatus.TIMEOUT)
-    assert time.monotonic() - start < 4.0
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB
-
-
-def test_closed_stdout_does_not_hang() -> None:
-    r = run_python("import os\nos.close(1)\nprint('lost')\n", FAST)
-    assert r.status in (ExitStatus.OK, ExitStatus.ERROR)
-    assert r.duration_s < 2.0
-
-
 @needs_root
-def test_fork_bomb_is_contained(sandbox_tmp: Path) -> None:
+def test_fork_bomb_is_contained(backend: Backend, sandbox_tmp: Path) -> None:
     code = (
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     )
@@ -167,7 +203,7 @@ def test_fork_bomb_is_contained(sandbox_tmp: Path) -> None:
 
 
 @needs_root
-def test_background_processes_die_with_the_program(sandbox_tmp: Path) -> None:
+def test_background_processes_die_with_the_program(backend: Backend, sandbox_tmp: Path) -> None:
     code = (
         "import subprocess\n"
         "subprocess.Popen(['sleep', '30'], start_new_session=True)\n"
@@ -178,11 +214,132 @@ def test_background_processes_die_with_the_program(sandbox_tmp: Path) -> None:
     assert _sandboxed_pids(sandbox_tmp) == []
 
 
-# --- escapes ----------------------------------------------------------------------------------
+def test_memory_bomb_is_contained(backend: Backend) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))\n", FAST)
+    assert r.status in (ExitStatus.KILLED, ExitStatus.ERROR)
+    if r.status is ExitStatus.ERROR:
+        assert "MemoryError" in r.stderr
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB
 
 
 @needs_root
-def test_parent_environment_is_not_readable(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_fill_is_bounded(backend: Backend, sandbox_tmp: Path) -> None:
+    _skip_without_private_fs()
+    limits = dataclasses.replace(FAST, disk_mb=16)
+    tag = f"fill-{uuid.uuid4().hex}"
+    # 100 files of 8 MB (file_size_mb: each file is allowed, their sum is not) in every
+    # writable place; report how far it got.
+    code = f"""
+import json, os
+chunk = b"x" * (8 << 20)
+report = {{}}
+for where in [".", *{SHARED_TMP_DIRS!r}]:
+    for i in range(100):
+        try:
+            with open(os.path.join(where, "{tag}-%d" % i), "wb") as f:
+                f.write(chunk)
+        except OSError as exc:
+            stopped_by = exc.errno
+            break
+    else:
+        stopped_by = None
+    ours = [os.path.join(where, n) for n in os.listdir(where) if n.startswith("{tag}")]
+    report[where] = [stopped_by, sum(os.path.getsize(p) for p in ours)]
+print(json.dumps(report))
+"""
+    try:
+        r = run_python(code, limits)
+        assert r.status is ExitStatus.OK, r.stderr
+        report = json.loads(r.stdout)
+        assert set(report) == {".", *SHARED_TMP_DIRS}
+        for where, (stopped_by, used) in report.items():
+            assert stopped_by == errno.ENOSPC, where
+            assert 8 << 20 <= used <= limits.disk_mb << 20, where
+        # Not catching the error is a typed failure too.
+        r = run_python(
+            "for i in range(100):\n    open(f'f{i}', 'wb').write(b'x' * (8 << 20))", limits
+        )
+        assert r.status is ExitStatus.ERROR
+        assert "No space left on device" in r.stderr
+        assert list(sandbox_tmp.iterdir()) == []
+    finally:
+        leftovers = [p for d in SHARED_TMP_DIRS for p in Path(d).glob(f"{tag}-*")]
+        for path in leftovers:
+            path.unlink()
+    assert leftovers == []
+
+
+@needs_root
+def test_nothing_persists_in_shared_temp_dirs(backend: Backend) -> None:
+    _skip_without_private_fs()
+    paths = [f"{d}/persist-{uuid.uuid4().hex}" for d in SHARED_TMP_DIRS]
+    try:
+        r = run_python(f"for path in {paths!r}:\n    open(path, 'w').write('x')\nprint('ok')", FAST)
+        assert r.stdout == "ok\n", r.stderr  # each program has its own temp dirs
+        assert [os.path.exists(p) for p in paths] == [False] * len(paths)
+        seen = run_python(f"import os; print([os.path.exists(p) for p in {paths!r}])", FAST)
+        assert seen.stdout == f"{[False] * len(paths)}\n"  # the next program starts afresh
+    finally:
+        left = [p for p in paths if os.path.exists(p)]
+        for path in left:
+            os.unlink(path)
+
+
+@needs_root
+def test_cannot_write_outside_its_dir(backend: Backend) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    dirs = ["/root", "/etc", "/usr", "/var", "/work", str(repo), str(repo / "tests")]
+    name = f"sandbox-escape-{uuid.uuid4().hex}"
+    targets = [os.path.join(d, name) for d in dirs if os.path.isdir(d)]
+    code = f"""
+import os
+for path in {targets!r}:
+    try:
+        open(path, "w").write("x")
+        print("wrote", path)
+    except OSError:
+        print("denied", path)
+    try:
+        os.mkdir(path + ".d")
+        print("made", path)
+    except OSError:
+        pass
+"""
+    try:
+        r = run_python(code, FAST)
+        assert r.status is ExitStatus.OK, r.stderr
+        assert r.stdout.count("denied") == len(targets), r.stdout
+    finally:
+        written = [p for t in targets for p in (t, t + ".d") if os.path.lexists(p)]
+        for path in written:
+            if os.path.isdir(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+    assert written == []
+
+
+@needs_root
+def test_root_is_read_only_even_where_world_writable(backend: Backend) -> None:
+    _skip_without_private_fs()
+    if os.stat("/var/cache").st_dev != os.stat("/").st_dev:
+        pytest.skip("/var/cache is not on the root file system")
+    open_dir = Path(tempfile.mkdtemp(dir="/var/cache", prefix="atgrpo-test-"))
+    try:
+        open_dir.chmod(0o1777)  # like /tmp: only the read-only mount stops the sandbox user
+        r = run_python(f"open({str(open_dir / 'x')!r}, 'w')", FAST)
+        assert r.status is ExitStatus.ERROR
+        assert "Read-only file system" in r.stderr
+        assert list(open_dir.iterdir()) == []
+    finally:
+        shutil.rmtree(open_dir)
+
+
+@needs_root
+def test_parent_environment_is_not_readable(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     secret = f"s3cret-{uuid.uuid4().hex}"
     monkeypatch.setenv("ATGRPO_TEST_SECRET", secret)
     code = f"""
@@ -206,7 +363,7 @@ for entry in os.listdir("/proc"):
 
 
 @needs_root
-def test_network_is_unreachable() -> None:
+def test_network_is_unreachable(backend: Backend) -> None:
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -227,25 +384,7 @@ except OSError as exc:
 
 
 @needs_root
-def test_cannot_write_outside_its_dir() -> None:
-    name = f"sandbox-escape-{uuid.uuid4().hex}"
-    targets = [f"/root/{name}", str(Path(__file__).parent / name), f"/etc/{name}"]
-    code = f"""
-for path in {targets!r}:
-    try:
-        open(path, "w").write("x")
-        print("wrote", path)
-    except OSError as exc:
-        print("denied", path)
-"""
-    r = run_python(code, FAST)
-    assert r.stdout.count("denied") == len(targets), r.stdout + r.stderr
-    for path in targets:
-        assert not os.path.exists(path)
-
-
-@needs_root
-def test_cannot_kill_the_parent() -> None:
+def test_cannot_kill_the_parent(backend: Backend) -> None:
     code = f"""
 import os
 for pid in (os.getppid(), {os.getpid()}, -1):
@@ -260,8 +399,27 @@ print("done")
     # we are still alive to assert this
 
 
+def test_gigabytes_of_output_are_truncated(backend: Backend) -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    code = "import sys\nchunk = 'x' * 2**20\nwhile True:\n    sys.stdout.write(chunk)\n"
+    r = run_python(code, FAST)
+    assert r.truncated
+    assert len(r.stdout) == FAST.max_output_bytes
+    assert r.status in (ExitStatus.ERROR, ExitStatus.KILLED, ExitStatus.TIMEOUT)
+    assert time.monotonic() - start < 4.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB
+
+
+def test_closed_stdout_does_not_hang(backend: Backend) -> None:
+    r = run_python("import os\nos.close(1)\nos.close(2)\nprint('lost')\n", FAST)
+    assert r.status in (ExitStatus.OK, ExitStatus.ERROR)
+    assert r.duration_s < 2.0
+
+
 @needs_root
-def test_runs_unprivileged() -> None:
+def test_runs_unprivileged(backend: Backend) -> None:
+    assert sandbox._get_launcher().backend is backend
     r = run_python("import os; print(os.getuid(), os.getgid(), os.getgroups())", FAST)
     uid = sandbox.UNPRIVILEGED_UID
     assert r.stdout == f"{uid} {uid} []\n"
@@ -305,7 +463,7 @@ def test_missing_first_stage_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -
 
 @needs_root
 def test_missing_unshare_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    launcher = sandbox._get_launcher()
+    launcher = _unshare_launcher()
     if not launcher.namespaces:
         pytest.skip("unshare does not work here")
     prefix = tuple("/nonexistent/unshare" if p.endswith("/unshare") else p for p in launcher.prefix)
@@ -316,15 +474,73 @@ def test_missing_unshare_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> No
     assert "unshare" in r.stderr
 
 
+@needs_root
+def test_failing_mount_step_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    launcher = _unshare_launcher()
+    if not launcher.private_fs:
+        pytest.skip("no private file system here")
+    monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
+    monkeypatch.setattr(sandbox, "_MOUNT_SCRIPT", FAILING_MOUNT_STEP)
+    r = run_python("print('hi')", FAST)
+    assert r.status is ExitStatus.LAUNCH_FAILED
+    assert "simulated failure" in r.stderr
+
+
+@needs_root
+def test_where_mounting_fails_the_weaker_isolation_is_announced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not _unshare_launcher().namespaces:
+        pytest.skip("unshare does not work here")
+    monkeypatch.setattr(sandbox, "_MOUNT_SCRIPT", FAILING_MOUNT_STEP)
+    with pytest.warns(SandboxWarning, match="cannot mount a private file system"):
+        launcher = sandbox._build_launcher.__wrapped__(True, Backend.UNSHARE)
+    assert launcher.namespaces and launcher.drop_privileges and not launcher.private_fs
+    monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
+    r = run_python("import os; print(os.getuid())", FAST)  # today's chain still works
+    assert r.stdout == f"{sandbox.UNPRIVILEGED_UID}\n", r.stderr
+
+
+@needs_root
+def test_mount_step_refuses_to_run_outside_a_fresh_namespace(tmp_path: Path) -> None:
+    (tmp_path / "prog.py").write_text("")
+    # A mount namespace of its own, in case the guard fails, but no PID namespace.
+    argv = ["unshare", "--mount", "--", "sh", "-c", sandbox._MOUNT_SCRIPT, "atgrpo-sandbox"]
+    done = subprocess.run(
+        [*argv, str(tmp_path), "prog.py", "true"], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("atgrpo-sandbox: not in a new namespace")
+
+
+def test_unknown_backend_is_a_setup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(sandbox.BACKEND_ENV_VAR, "docker")
+    with pytest.raises(SandboxSetupError, match="ATGRPO_SANDBOX='docker'"):
+        run_python("pass", FAST)
+
+
+def test_bwrap_without_root_is_a_setup_error() -> None:
+    with pytest.raises(SandboxSetupError, match="needs root"):
+        sandbox._build_launcher.__wrapped__(False, Backend.BWRAP)
+
+
+@needs_root
+def test_bwrap_asked_for_but_missing_is_a_setup_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "bwrap" else which(name))
+    with pytest.raises(SandboxSetupError, match="apt-get install bubblewrap"):
+        sandbox._build_launcher.__wrapped__(True, Backend.BWRAP)
+
+
 def test_without_root_the_weaker_isolation_is_announced() -> None:
     with pytest.warns(SandboxWarning, match="network"):
-        launcher = sandbox._build_launcher.__wrapped__(False)
-    assert not launcher.namespaces and not launcher.drop_privileges
+        launcher = sandbox._build_launcher.__wrapped__(False, Backend.UNSHARE)
+    assert not launcher.namespaces and not launcher.drop_privileges and not launcher.private_fs
 
 
 def test_plain_launcher_runs_and_kills_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.warns(SandboxWarning):
-        plain = sandbox._build_launcher.__wrapped__(False)  # what a non-root user gets
+        plain = sandbox._build_launcher.__wrapped__(False, Backend.UNSHARE)  # a non-root user's
     monkeypatch.setattr(sandbox, "_get_launcher", lambda: plain)
     assert run_python("print('hi')", FAST).stdout == "hi\n"
     code = "import subprocess, time\nsubprocess.Popen(['sleep', '30'])\ntime.sleep(30)\n"
@@ -337,6 +553,8 @@ def test_plain_launcher_runs_and_kills_its_group(monkeypatch: pytest.MonkeyPatch
 def test_invalid_limits_fail_early() -> None:
     with pytest.raises(ValueError, match="wall_time_s"):
         SandboxLimits(wall_time_s=0)
+    with pytest.raises(ValueError, match="disk_mb"):
+        SandboxLimits(disk_mb=0)
 
 
 # --- run_many ---------------------------------------------------------------------------------

@@ -4,21 +4,32 @@ Threat model
 ------------
 The programs come from a language model under RL training. They are not written to attack us,
 but RL finds whatever earns reward, and a model can emit anything: infinite loops, memory and
-fork bombs, gigabytes of output, code that kills its parent, reads the trainer's environment
-(API keys), calls the network, or writes outside its directory. The sandbox keeps the trainer,
-the machine and its secrets safe from such programs. It is not a defence against a determined
-attacker: there is no seccomp filter, so a kernel exploit escapes.
+fork bombs, gigabytes of output, code that fills the disk, kills its parent, reads the trainer's
+environment (API keys), calls the network, or writes outside its directory. The sandbox keeps the
+trainer, the machine and its secrets safe from such programs. It is not a defence against a
+determined attacker: there is no seccomp filter, so a kernel exploit escapes.
 
 What is isolated (on Linux as root: training boxes and CI)
 -----------------------------------------------------------
-Each program runs in a fresh temp dir (its cwd and HOME), launched as::
+Each program is launched as::
 
     setpriv --pdeathsig KILL -- unshare --net --pid --ipc --uts --mount-proc --fork --kill-child
-      -- setpriv --reuid 65534 --regid 65534 --clear-groups --inh-caps -all --bounding-set -all
-         --no-new-privs -- prlimit <limits> -- python -I -B -u prog.py
+      -- sh -c <mount step> <its args> setpriv --reuid 65534 --regid 65534 --clear-groups
+         --inh-caps -all --bounding-set -all --no-new-privs -- prlimit <limits>
+         -- python -I -B -u prog.py
+
+where the mount step (``_MOUNT_SCRIPT``), a short shell script run as root inside the new
+namespaces, remounts / read-only, mounts fresh tmpfs over the shared temp dirs (/tmp, /var/tmp,
+/dev/shm, /run/lock) and another as the work dir, copies the program in, and execs the rest of
+the chain. It costs about 7 ms of CPU per program (two mount(8) runs, a cat and the shell), a
+third more than the rest of the launch of a trivial program.
 
 - user: uid/gid 65534 ('nobody') without capabilities, so it cannot signal, ptrace or read the
-  /proc of our processes, and cannot write files outside world-writable directories;
+  /proc of our processes;
+- file system: a private view. The root mount is read-only; the work dir (cwd and HOME, owned by
+  the program) and the shared temp dirs are fresh tmpfs of ``disk_mb`` each (and
+  ``_TMPFS_INODES`` files), seen by this program only and gone when it exits. Nothing it writes
+  reaches the host's disk or outlives it;
 - environment: every process of the chain gets a clean ``env`` (nothing from ``os.environ``);
 - network: an empty network namespace (loopback down): no connections at all, not even to
   127.0.0.1;
@@ -30,26 +41,42 @@ Each program runs in a fresh temp dir (its cwd and HOME), launched as::
 - lifetime: each stage dies with its parent (``pdeathsig``), so a killed trainer leaves no
   programs behind.
 
+With ``ATGRPO_SANDBOX=bwrap`` in the environment (and ``bwrap`` installed: Debian's bubblewrap)
+``bwrap`` makes the namespaces and the private file system instead of unshare and the mount step,
+with the same uid drop and rlimits after it. The differences: every mount is read-only, not just
+/; /dev is a minimal one; the work dir is root's but open to all (bwrap cannot chown); the
+tmpfs have no cap on their number of files; PWD is set. bubblewrap is never required; asking for
+it where it does not work, or is not installed, is a ``SandboxSetupError``.
+
 What is not isolated
 --------------------
-- Reading world-readable files (source trees, datasets, /etc) and writing world-writable
-  directories (/tmp, /var/tmp, /dev/shm), which are shared by all sandboxes and persist.
+- Reading world-readable files (source trees, datasets, /etc).
+- Mounts other than / keep their flags (util-linux 2.38 cannot remount recursively, and one
+  mount(8) per mount would cost milliseconds each), so world-writable directories on them other
+  than the shared temp dirs stay writable, e.g. /dev/mqueue where mounted.
 - Total resources: no cgroup, so memory is bounded only per process (``memory_mb`` times
-  ``max_processes`` in all), disk per file, and CPU per process. ``max_processes`` counts every
-  process of uid 65534, so concurrent sandboxes share it: a fork bomb can stop other sandboxes
-  from forking (not from starting) until it is killed.
+  ``max_processes`` in all) plus the tmpfs (up to 5 x ``disk_mb``, in memory), and CPU per
+  process. ``max_processes`` counts every process of uid 65534, so concurrent sandboxes share it:
+  a fork bomb can stop other sandboxes from forking (not from starting) until it is killed.
 - The program is PID 1 of its namespace, so signals it sends itself with a default action are
-  ignored; the CPU limit is therefore enforced by SIGKILL one second after SIGXCPU.
+  ignored; the CPU limit is therefore enforced by SIGKILL one second after SIGXCPU. Under bwrap,
+  which reports a death by signal N as exit status 128 + N, such statuses read as deaths by
+  signal even when the program chose them.
 - A run is reported ``LAUNCH_FAILED`` when it exits non-zero with stderr starting with the name
-  of a launcher tool (``setpriv:``, ``unshare:``, ``prlimit:``); a program can fake that.
+  of a launcher tool (``setpriv:``, ``mount:``, ``atgrpo-sandbox:``, ...); a program can fake that.
 
-Not root (a laptop)
--------------------
-Programs run as your own user, with the clean environment, rlimits, timeout and process group,
-but without namespaces: they can reach the network, signal or read your processes (including the
-trainer), write your files, and leave behind processes that left the process group. A
-``SandboxWarning`` says so once. The same happens as root where ``unshare`` fails (an
-unprivileged container), except that programs still run as uid 65534.
+Weaker set-ups, each announced once by a ``SandboxWarning``
+------------------------------------------------------------
+- Root where mounting fails (the mount step's probe, e.g. in a container without CAP_SYS_ADMIN):
+  namespaces as above, but programs write their work dir on the host's disk (bounded per file
+  only) and can write the host's shared temp dirs, where what they write persists.
+- Root where ``unshare`` fails (an unprivileged container): programs run as uid 65534 with the
+  clean environment, rlimits and timeout, but with network access, no PID namespace and the
+  host's file system as above.
+- Not root (a laptop): programs run as your own user, with the clean environment, rlimits, timeout
+  and process group, but without namespaces: they can reach the network, signal or read your
+  processes (including the trainer), write your files, and leave behind processes that left the
+  process group.
 
 The interpreter is ``sys.executable`` when uid 65534 can run it; otherwise (e.g. a venv whose
 Python lives under /root) a system Python of the same major.minor version, with a warning,
@@ -82,13 +109,28 @@ from dataclasses import dataclass
 from typing import IO
 
 UNPRIVILEGED_UID = 65534  # 'nobody'
+BACKEND_ENV_VAR = "ATGRPO_SANDBOX"  # "unshare" (default) or "bwrap", see Backend
 _PROGRAM = "prog.py"
-_LAUNCHER_TOOLS = ("setpriv", "unshare", "prlimit")
+_FSTAB = "fstab"  # the mount step's table, next to the host's copy of the program (named there)
+# Stderr prefixes of a failing launch; "atgrpo-sandbox:" is what the mount step writes itself.
+_LAUNCHER_TOOLS = ("setpriv", "unshare", "prlimit", "mount", "bwrap", "atgrpo-sandbox")
+# World-writable on the host, shared by all its users and persistent (/var/lock links to /run/lock)
+_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+# Files and directories per private tmpfs: ``size=`` does not count inodes, which cost kernel
+# memory (about 1 KB each), so an unbounded count would let a program spend memory on empty files.
+_TMPFS_INODES = 8192
 _PROBE_TIMEOUT_S = 30.0
 # util-linux < 2.40 unshare reports a child killed by SIGKILL with this line and exit status 1
 # instead of dying of SIGKILL itself (util-linux issue #2614, fixed by PR #2617).
 _UNSHARE_SIGKILL_ERROR = b"unshare: sigprocmask unblock failed: Invalid argument\n"
 _NS_TEARDOWN_TIMEOUT_S = 2.0  # after SIGKILL to a namespace's init, the kernel empties it quickly
+
+
+class Backend(enum.Enum):
+    """What makes the namespaces and the private file system; ``ATGRPO_SANDBOX`` at first use."""
+
+    UNSHARE = "unshare"  # util-linux unshare and mount (default; always present where setpriv is)
+    BWRAP = "bwrap"  # Debian's bubblewrap, where installed
 
 
 class ExitStatus(enum.Enum):
@@ -117,6 +159,8 @@ class SandboxLimits:
     """stdout and stderr are each truncated to this many bytes."""
     max_open_files: int = 64
     """RLIMIT_NOFILE."""
+    disk_mb: int = 64
+    """Size of each private tmpfs (work dir, /tmp, /var/tmp, /dev/shm, /run/lock), in memory."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -147,6 +191,24 @@ class SandboxWarning(RuntimeWarning):
     """The sandbox runs with weaker isolation than the module docstring describes."""
 
 
+def _max_concurrent() -> int:
+    """Programs running at once in this process, across every caller (rollout branches,
+    ``run_many`` pools, test batches): ``$ATGRPO_SANDBOX_CONCURRENCY`` or two per CPU. All
+    sandboxes share uid 65534's process limit, so an unbounded number would fail to start."""
+    value = os.environ.get("ATGRPO_SANDBOX_CONCURRENCY", "")
+    if value.strip():
+        try:
+            return max(1, int(value))
+        except ValueError:
+            raise SandboxSetupError(
+                f"ATGRPO_SANDBOX_CONCURRENCY={value!r} is not a positive integer"
+            ) from None
+    return 2 * (os.cpu_count() or 1)
+
+
+_SLOTS = threading.BoundedSemaphore(_max_concurrent())
+
+
 def run_python(code: str, limits: SandboxLimits | None = None, stdin: str = "") -> SandboxResult:
     """Run ``code`` as a Python program in a sandbox and return what happened.
 
@@ -156,17 +218,18 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str = "") 
     """
     limits = limits or SandboxLimits()
     launcher = _get_launcher()
-    start = time.monotonic()
-    try:
-        root_dir = tempfile.mkdtemp(prefix="atgrpo-sandbox-")
-    except OSError as exc:
-        return _launch_failed(f"cannot create a temp dir: {exc}", start)
-    try:
-        return _run_in(root_dir, code, stdin, limits, launcher, start)
-    except OSError as exc:  # the temp dir or files could not be written (e.g. disk full)
-        return _launch_failed(f"cannot prepare the program: {exc}", start)
-    finally:
-        _remove_tree(root_dir)
+    with _SLOTS:  # wait for a slot before the clock starts: waiting is not the program's time
+        start = time.monotonic()
+        try:
+            root_dir = tempfile.mkdtemp(prefix="atgrpo-sandbox-")
+        except OSError as exc:
+            return _launch_failed(f"cannot create a temp dir: {exc}", start)
+        try:
+            return _run_in(root_dir, code, stdin, limits, launcher, start)
+        except OSError as exc:  # the temp dir or files could not be written (e.g. disk full)
+            return _launch_failed(f"cannot prepare the program: {exc}", start)
+        finally:
+            _remove_tree(root_dir)
 
 
 def run_many(
@@ -197,11 +260,16 @@ def run_many(
 
 @dataclass(frozen=True)
 class _Launcher:
-    prefix: tuple[str, ...]  # argv before prlimit
+    backend: Backend
+    prefix: tuple[str, ...]  # argv up to the per-run part (the mount step or bwrap's options)
+    drop: tuple[str, ...]  # argv that drops to UNPRIVILEGED_UID; empty when not root
     prlimit: str
     python: str
-    drop_privileges: bool  # programs run as UNPRIVILEGED_UID
-    namespaces: bool  # network/PID/IPC/UTS/mount namespaces
+    tmp_dirs: tuple[str, ...]  # those of _SHARED_TMP_DIRS that exist here
+    drop_privileges: bool = True  # programs run as UNPRIVILEGED_UID
+    namespaces: bool = False  # network/PID/IPC/UTS/mount namespaces
+    private_fs: bool = False  # tmpfs work dir and temp dirs, read-only root (module docstring)
+    shell: str = "/bin/sh"  # runs the mount step
 
 
 _SETUP_LOCK = threading.Lock()
@@ -209,42 +277,129 @@ _SETUP_LOCK = threading.Lock()
 
 def _get_launcher() -> _Launcher:
     with _SETUP_LOCK:  # run_many's threads must not probe (and warn) twice
-        return _build_launcher(os.geteuid() == 0)
+        return _build_launcher(os.geteuid() == 0, _backend_from_env())
+
+
+def _backend_from_env() -> Backend:
+    value = os.environ.get(BACKEND_ENV_VAR, Backend.UNSHARE.value)
+    try:
+        return Backend(value)
+    except ValueError:
+        choices = ", ".join(b.value for b in Backend)
+        raise SandboxSetupError(f"{BACKEND_ENV_VAR}={value!r}: expected one of {choices}") from None
 
 
 @functools.cache
-def _build_launcher(as_root: bool) -> _Launcher:
+def _build_launcher(as_root: bool, backend: Backend) -> _Launcher:
     """Find the tools and the interpreter, probing what actually works on this machine."""
     if not sys.platform.startswith("linux"):
         raise SandboxSetupError(f"the sandbox needs Linux (util-linux), not {sys.platform}")
     setpriv, prlimit = _require_tool("setpriv"), _require_tool("prlimit")
-    prefix = [setpriv, "--pdeathsig", "KILL", "--"]
-    namespaces = False
-    if as_root:
-        unshare = shutil.which("unshare")
-        ns_args = [unshare or "unshare", "--net", "--pid", "--ipc", "--uts", "--mount-proc"]
-        ns_args += ["--fork", "--kill-child", "--"]
-        true = shutil.which("true") or "/bin/true"
-        problem = "unshare not found" if unshare is None else _probe([*ns_args, true])[1]
-        if problem is None:
-            prefix += ns_args
-            namespaces = True
-        else:
-            _warn(
-                f"unshare does not work here ({problem}): sandboxed programs run as uid "
-                f"{UNPRIVILEGED_UID} but with network access and without a PID namespace"
+    outer = (setpriv, "--pdeathsig", "KILL", "--")
+    tmp_dirs = tuple(d for d in _SHARED_TMP_DIRS if os.path.isdir(d))
+    if not as_root:
+        if backend is Backend.BWRAP:
+            raise SandboxSetupError(
+                f"{BACKEND_ENV_VAR}=bwrap needs root (programs run as uid {UNPRIVILEGED_UID} "
+                f"inside it); unset {BACKEND_ENV_VAR} to run programs as your own user"
             )
-        uid = str(UNPRIVILEGED_UID)
-        prefix += [setpriv, "--reuid", uid, "--regid", uid, "--clear-groups"]
-        prefix += ["--inh-caps", "-all", "--bounding-set", "-all", "--no-new-privs"]
-        prefix += ["--pdeathsig", "KILL", "--"]  # changing uid clears the parent-death signal
-    else:
         _warn(
             "not running as root: sandboxed programs run as your own user, with network access, "
             "and can read your files and signal your processes"
         )
-    python = _pick_python([*prefix, prlimit, "--"], as_root)
-    return _Launcher(tuple(prefix), prlimit, python, as_root, namespaces)
+        python = _pick_python([*outer, prlimit, "--"], as_root)
+        return _Launcher(
+            backend, outer, (), prlimit, python, tmp_dirs=tmp_dirs, drop_privileges=False
+        )
+    uid = str(UNPRIVILEGED_UID)
+    drop = (
+        *(setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--inh-caps", "-all"),
+        *("--bounding-set", "-all", "--no-new-privs"),
+        *("--pdeathsig", "KILL", "--"),  # changing uid clears the parent-death signal
+    )
+    python = _pick_python([*outer, *drop, prlimit, "--"], as_root)
+    if backend is Backend.BWRAP:
+        return _bwrap_launcher(outer, drop, prlimit, python, tmp_dirs)
+    return _unshare_launcher(outer, drop, prlimit, python, tmp_dirs)
+
+
+def _unshare_launcher(
+    outer: tuple[str, ...],
+    drop: tuple[str, ...],
+    prlimit: str,
+    python: str,
+    tmp_dirs: tuple[str, ...],
+) -> _Launcher:
+    unshare = shutil.which("unshare")
+    ns_args = (
+        *(unshare or "unshare", "--net", "--pid", "--ipc", "--uts", "--mount-proc"),
+        *("--fork", "--kill-child", "--"),
+    )
+    true = shutil.which("true") or "/bin/true"
+    problem = "unshare not found" if unshare is None else _probe([*outer, *ns_args, true])[1]
+    if problem is not None:
+        _warn(
+            f"unshare does not work here ({problem}): sandboxed programs run as uid "
+            f"{UNPRIVILEGED_UID} but with network access, without a PID namespace, and share "
+            f"the host's file system ({', '.join(tmp_dirs)} and their work dir on disk)"
+        )
+        return _Launcher(Backend.UNSHARE, outer, drop, prlimit, python, tmp_dirs=tmp_dirs)
+    prefix = (*outer, *ns_args)
+    launcher = _Launcher(
+        Backend.UNSHARE,
+        prefix,
+        drop,
+        prlimit,
+        python,
+        tmp_dirs=tmp_dirs,
+        namespaces=True,
+        private_fs=True,
+        shell=shutil.which("sh") or "/bin/sh",
+    )
+    problem = _probe_launch(launcher)
+    if problem is not None:
+        _warn(
+            f"cannot mount a private file system for sandboxed programs ({problem}): they "
+            f"share the host's {', '.join(tmp_dirs)}, where what they write persists, and write "
+            "their work dir on disk, bounded per file only"
+        )
+        return dataclasses.replace(launcher, private_fs=False)
+    return launcher
+
+
+def _bwrap_launcher(
+    outer: tuple[str, ...],
+    drop: tuple[str, ...],
+    prlimit: str,
+    python: str,
+    tmp_dirs: tuple[str, ...],
+) -> _Launcher:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxSetupError(
+            f"{BACKEND_ENV_VAR}=bwrap but `bwrap` is not on PATH (Debian: apt-get install "
+            f"bubblewrap); unset {BACKEND_ENV_VAR} to use unshare"
+        )
+    prefix = (*outer, bwrap)
+    launcher = _Launcher(
+        Backend.BWRAP, prefix, drop, prlimit, python, tmp_dirs, namespaces=True, private_fs=True
+    )
+    problem = _probe_launch(launcher)
+    if problem is not None:
+        raise SandboxSetupError(f"{BACKEND_ENV_VAR}=bwrap but bwrap does not work here: {problem}")
+    return launcher
+
+
+def _probe_launch(launcher: _Launcher) -> str | None:
+    """Run an empty program through the whole launch chain; None if it works, else the problem."""
+    root_dir = tempfile.mkdtemp(prefix="atgrpo-sandbox-probe-")
+    try:
+        workdir = _prepare_workdir(root_dir, "", launcher, SandboxLimits())
+        return _probe(_launch_argv(launcher, workdir, SandboxLimits()))[1]
+    except OSError as exc:
+        return str(exc)
+    finally:
+        _remove_tree(root_dir)
 
 
 def _pick_python(prefix: list[str], as_root: bool) -> str:
@@ -328,20 +483,10 @@ def _run_in(
         tempfile.TemporaryFile() as err,
         tempfile.TemporaryFile() as inp,
     ):
-        workdir = _prepare_workdir(root_dir, code, launcher.drop_privileges)
+        workdir = _prepare_workdir(root_dir, code, launcher, limits)
         inp.write(stdin.encode("utf-8", errors="surrogatepass"))
         inp.seek(0)
-        argv = [
-            *launcher.prefix,
-            launcher.prlimit,
-            *_prlimit_args(limits),
-            "--",
-            launcher.python,
-            "-I",  # isolated: ignore PYTHON* variables, user site-packages and the cwd
-            "-B",  # write no .pyc files
-            "-u",  # unbuffered, so output printed before a timeout is kept
-            _PROGRAM,
-        ]
+        argv = _launch_argv(launcher, workdir, limits)
         try:
             proc = subprocess.Popen(
                 argv,
@@ -355,7 +500,9 @@ def _run_in(
         except OSError as exc:
             return _launch_failed(f"cannot start {argv[0]}: {exc}", start)
         timed_out, returncode, rusage = _wait(proc, limits.wall_time_s, launcher.namespaces)
-        if launcher.namespaces and returncode == 1 and _strip_tail(err, _UNSHARE_SIGKILL_ERROR):
+        if launcher.backend is Backend.BWRAP and returncode > 128:
+            returncode = 128 - returncode  # bwrap reports a death by signal N as 128 + N
+        elif launcher.namespaces and returncode == 1 and _strip_tail(err, _UNSHARE_SIGKILL_ERROR):
             returncode = -signal.SIGKILL
         stdout, out_cut = _read_bounded(out, limits.max_output_bytes)
         stderr, err_cut = _read_bounded(err, limits.max_output_bytes)
@@ -367,6 +514,100 @@ def _run_in(
         duration_s=time.monotonic() - start,
         truncated=out_cut or err_cut,
     )
+
+
+def _launch_argv(launcher: _Launcher, workdir: str, limits: SandboxLimits) -> list[str]:
+    program = [
+        *launcher.drop,
+        launcher.prlimit,
+        *_prlimit_args(limits),
+        "--",
+        launcher.python,
+        "-I",  # isolated: ignore PYTHON* variables, user site-packages and the cwd
+        "-B",  # write no .pyc files
+        "-u",  # unbuffered, so output printed before a timeout is kept
+        _PROGRAM,
+    ]
+    if launcher.backend is Backend.BWRAP:
+        bwrap_args = _bwrap_args(workdir, limits, launcher.tmp_dirs)
+        return [*launcher.prefix, *bwrap_args, "--", *program]
+    if launcher.private_fs:
+        mount_step = [launcher.shell, "-c", _MOUNT_SCRIPT, "atgrpo-sandbox", workdir, _PROGRAM]
+        return [*launcher.prefix, *mount_step, *program]
+    return [*launcher.prefix, *program]
+
+
+# The mount step: run by sh as root inside the new namespaces, before the uid drop, with
+# $1 = the work dir (on the host: the program and the fstab), $2 = the program's name, and the
+# rest of the chain after them. One `mount -a` makes all the tmpfs mounts, since each mount(8)
+# costs a few milliseconds; -n: no record in the host's /run/mount/utab; their stdout (a systemd
+# hint, on some hosts) is not the program's.
+# Being PID 1 proves a fresh PID namespace, hence (--mount-proc) a fresh mount namespace, so the
+# host's mounts are never touched. "remount,bind" changes this namespace's view of / only; a
+# remount without "bind" would change the file system itself, for everyone.
+_MOUNT_SCRIPT = """\
+[ $$ = 1 ] || { echo "atgrpo-sandbox: not in a new namespace, not mounting" >&2; exit 1; }
+umask 022
+exec 3<"$1/$2"
+mount -n -o remount,bind,ro / >/dev/null || exit 1
+mount -n -a -T "$1/fstab" >/dev/null || exit 1
+cd "$1" && unset PWD OLDPWD || exit 1
+cat <&3 >"$2" 2>/dev/null || { echo "atgrpo-sandbox: no room for the program" >&2; exit 1; }
+exec 3<&-
+shift 2
+exec "$@"
+"""
+
+
+def _fstab(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str]) -> str:
+    """The mount step's tmpfs mounts, in order: the temp dirs, then the work dir."""
+    opts = f"size={limits.disk_mb}m,nr_inodes={_TMPFS_INODES},nosuid,nodev"
+    uid = UNPRIVILEGED_UID
+    # X-mount.mkdir: a work dir under a temp dir must be made again in the fresh tmpfs.
+    work_opts = f"{opts},mode=0700,uid={uid},gid={uid},X-mount.mkdir"
+    lines = [f"atgrpo-sandbox {_fstab_escape(d)} tmpfs {opts},mode=1777 0 0" for d in tmp_dirs]
+    lines.append(f"atgrpo-sandbox {_fstab_escape(workdir)} tmpfs {work_opts} 0 0")
+    return "\n".join(lines) + "\n"
+
+
+def _fstab_escape(path: str) -> str:
+    """fstab(5) escapes: octal for every byte but a few safe ones (spaces would split fields)."""
+    safe = set(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-+")
+    return "".join(chr(b) if b in safe else f"\\{b:03o}" for b in os.fsencode(path))
+
+
+def _bwrap_args(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str]) -> list[str]:
+    """bwrap's options for one program: the private file system of the mount step, and more."""
+    size = str(limits.disk_mb << 20)
+    # Not --unshare-all: as root it adds a user namespace in which only root is mapped, so the
+    # uid drop after bwrap would fail.
+    args = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+    args += ["--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    # The program is PID 1, as under unshare: bwrap's own init would report its exit before the
+    # namespace is empty, and bwrap would not reap it, so we would see neither its end nor its
+    # CPU time.
+    args += ["--as-pid-1"]
+    args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]  # ro-bind is recursive
+    for d in tmp_dirs:
+        args += ["--perms", "1777", "--size", size, "--tmpfs", d]
+    for d in _dirs_between(tmp_dirs, workdir):  # bwrap would make them 0700
+        args += ["--perms", "0755", "--dir", d]
+    program = os.path.join(workdir, _PROGRAM)
+    # bwrap cannot chown: the work dir is root's but open to all, which here means this program.
+    args += ["--perms", "0777", "--size", size, "--tmpfs", workdir]
+    args += ["--ro-bind", program, program, "--chdir", workdir, "--clearenv"]
+    for name, value in _clean_env(workdir).items():
+        args += ["--setenv", name, value]
+    return args
+
+
+def _dirs_between(tmp_dirs: Sequence[str], path: str) -> list[str]:
+    """The directories strictly between the temp dir that holds ``path`` and ``path``, top down."""
+    for top in tmp_dirs:
+        if path.startswith(top + "/"):
+            parts = path[len(top) + 1 :].split("/")[:-1]
+            return [os.path.join(top, *parts[: i + 1]) for i in range(len(parts))]
+    return []
 
 
 def _clean_env(home: str) -> dict[str, str]:
@@ -391,21 +632,35 @@ def _prlimit_args(limits: SandboxLimits) -> list[str]:
     ]
 
 
-def _prepare_workdir(root_dir: str, code: str, drop_privileges: bool) -> str:
-    """Write the program into a random dir under ``root_dir`` that only the sandbox user owns."""
-    if drop_privileges:
+def _prepare_workdir(root_dir: str, code: str, launcher: _Launcher, limits: SandboxLimits) -> str:
+    """Write the program where the launch expects it; return the program's work dir."""
+    if launcher.drop_privileges:
         _check_traversable(os.path.dirname(root_dir))
+    if launcher.private_fs:
+        # The launch mounts a fresh tmpfs over root_dir and copies (mount step) or binds (bwrap)
+        # the program into it; the program never sees these files.
+        _write_text(os.path.join(root_dir, _PROGRAM), code, mode=0o644)  # bwrap binds it as is
+        if launcher.backend is Backend.UNSHARE:
+            fstab = _fstab(root_dir, limits, launcher.tmp_dirs)
+            _write_text(os.path.join(root_dir, _FSTAB), fstab, mode=0o600)
+        return root_dir
+    if launcher.drop_privileges:
         # Searchable but not listable: concurrent sandboxes (same uid) cannot find each other's
         # randomly named workdirs, so they cannot tamper with each other's programs.
         os.chmod(root_dir, 0o711)
     workdir = tempfile.mkdtemp(dir=root_dir)
     path = os.path.join(workdir, _PROGRAM)
-    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
-        f.write(code)
-    if drop_privileges:
+    _write_text(path, code, mode=0o600)
+    if launcher.drop_privileges:
         for p in (workdir, path):
             os.chown(p, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
     return workdir
+
+
+def _write_text(path: str, text: str, mode: int) -> None:
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(text)
+    os.chmod(path, mode)
 
 
 def _check_traversable(directory: str) -> None:
