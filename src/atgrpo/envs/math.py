@@ -24,15 +24,8 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field
 
 from atgrpo import sandbox
-from atgrpo.data.math import (
-    MAX_ANSWER_CHARS,
-    MathDataConfig,
-    MathProblem,
-    MathSplits,
-    extract_boxed,
-    load_splits,
-    verify,
-)
+from atgrpo.data.math import MathDataConfig, MathProblem, MathSplits, load_splits
+from atgrpo.data.mathcheck import MAX_ANSWER_CHARS, extract_boxed, verify
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.parsing import extract_code, without_surrogates
 from atgrpo.envs.puzzle import WorkflowKind
