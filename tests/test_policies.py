@@ -233,8 +233,9 @@ def test_every_sample_reaches_the_policy_of_its_agent(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(train_module, "ppo_update", fake_update)
     cfg = load_config(None, ["algo.skip_zero_advantage=false"])
+    policies = {pid: SimpleNamespace(policy_id=pid) for pid in ("p", "q")}
     rt = SimpleNamespace(
-        cfg=cfg, policies={pid: SimpleNamespace(policy_id=pid) for pid in ("p", "q")}
+        cfg=cfg, learners={pid: train_module.LocalLearner(p) for pid, p in policies.items()}
     )
     update_policies(rt, rollout.samples)  # type: ignore[arg-type]
     assert sorted(seen) == ["p", "q"]

@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,25 +46,44 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+PolicySaver = Callable[[Path], str]  # writes one policy's folder; returns its kind
+
+
+def save_policy(policy: Policy, out: Path) -> str:
+    """``policy-<id>/``: weights (or the adapter alone), tokenizer, optimizer and scheduler.
+
+    Returns the policy's kind, ``"model"`` or ``"lora"``. A Ray worker group calls this on its
+    own node (``atgrpo.distributed``), so the folder is written where the weights live.
+    """
+    _save_weights(policy, out, staging=out.parent / f".adapter-{policy.policy_id}")
+    policy.tokenizer.save_pretrained(out)
+    torch.save(
+        {"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict()},
+        out / "optim.pt",
+    )
+    return "lora" if policy.adapter is not None else "model"
+
+
 def save_checkpoint(
-    run_dir: Path, step: int, policies: dict[str, Policy], state: dict[str, Any], keep: int
+    run_dir: Path,
+    step: int,
+    savers: Mapping[str, PolicySaver],
+    state: dict[str, Any],
+    keep: int,
 ) -> Path:
+    """Write ``step-N/`` atomically: every policy's folder, RNG and trainer state.
+
+    ``savers`` maps each policy id to what writes its folder: :func:`save_policy` on the policy
+    in this process, or a call to the Ray worker group that holds it.
+    """
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        for pid, policy in policies.items():
-            out = tmp / f"policy-{pid}"
-            _save_weights(policy, out, staging=tmp / f".adapter-{pid}")
-            policy.tokenizer.save_pretrained(out)
-            torch.save(
-                {
-                    "optimizer": policy.optimizer.state_dict(),
-                    "scheduler": policy.scheduler.state_dict(),
-                },
-                out / "optim.pt",
-            )
+        kinds = {}
+        for pid, save in savers.items():
+            kinds[pid] = save(tmp / f"policy-{pid}")
         rng = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -72,7 +92,6 @@ def save_checkpoint(
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         torch.save(rng, tmp / "rng.pt")
-        kinds = {pid: "lora" if p.adapter is not None else "model" for pid, p in policies.items()}
         trainer_state = {"step": step, "policies": kinds, **state}
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         if final.exists():

@@ -17,9 +17,12 @@ import warnings
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from atgrpo.config import ConfigError, dump_config, load_config
+from atgrpo.data.base import DatasetError
 from atgrpo.models import ModelError, prepare_default_model, prepare_tiny_model
+from atgrpo.sandbox import SandboxSetupError
 
 console = Console(highlight=False, soft_wrap=True)
 
@@ -229,8 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ConfigError, ModelError, FileNotFoundError, FileExistsError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+    except (
+        ConfigError,
+        ModelError,
+        DatasetError,
+        SandboxSetupError,
+        FileNotFoundError,
+        FileExistsError,
+    ) as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: resume with --resume from the last checkpoint")

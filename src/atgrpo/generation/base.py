@@ -1,4 +1,4 @@
-"""The contract between the rollout and a generation backend (HF transformers, later vLLM)."""
+"""The contract between the rollout and a generation backend (HF transformers, vLLM)."""
 
 from __future__ import annotations
 
@@ -31,4 +31,12 @@ class Generator(Protocol):
         temperature: float | None,
     ) -> list[Generation]:
         """One response per prompt, in order; ``temperature=None`` decodes greedily."""
+        ...
+
+    def sync_weights(self) -> None:
+        """Make the engine sample from the policy's current weights; called after each update.
+
+        A no-op for engines that run on the training model itself (HF); a separate engine
+        (vLLM) copies the new weights, or the policy's LoRA adapter, into itself.
+        """
         ...

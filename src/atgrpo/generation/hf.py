@@ -59,10 +59,13 @@ class HFGenerator:
         self.tokenizer = tokenizer
         self.autocast_dtype = autocast_dtype
         self.max_batch_size = max_batch_size
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         )
+
+    def sync_weights(self) -> None:
+        """Nothing to do: generation runs on the training model itself."""
 
     def generate(
         self,
@@ -133,7 +136,8 @@ class HFGenerator:
         return results
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a response: the generation config's, then the tokenizer's."""
     ids: list[int] = []
     for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
         if source is None:

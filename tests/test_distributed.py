@@ -1,0 +1,323 @@
+"""Scale-out: the Ray backend and data parallelism, on CPU.
+
+Default tier (no Ray): the package imports without ray, GPU configs resolve their worker
+groups, backend errors name the key, and two ranks (threads standing in for torch.distributed)
+take the single-process step. Tier ``scale`` (``make test-scale``, needs the ``ray`` extra):
+
+* Two training steps of L3 (two policies, two worker groups) on Ray give the same samples,
+  advantages, losses and weights as the in-process path on the same seed: on a local cluster
+  the run starts (2 CPUs) and stops, and on a simulated two-node cluster it joins and leaves
+  running.
+* A policy group of two ranks (gloo, one per simulated node) takes the same step as one process
+  on the same batch.
+
+Ray's start-up is slow, so the two-node cluster is shared by the module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atgrpo.config import Config, ConfigError, load_config
+from atgrpo.distributed.layout import group_resources, worker_groups
+from atgrpo.envs.puzzle import PuzzleEnv
+from atgrpo.generation import HFGenerator
+from atgrpo.loss import LossAggregation
+from atgrpo.policies import build_policy
+from atgrpo.records import Sample
+from atgrpo.train import train
+from atgrpo.update import UpdateSettings, ppo_update
+from conftest import REPO
+
+PER_ROLE = REPO / "configs" / "tiny-per_role.yaml"
+TINY = REPO / "configs" / "tiny.yaml"
+# Short prompts and answers: the same code paths in a few seconds; every sample is logged.
+FAST = ("rollout.max_prompt_tokens=192", "rollout.max_new_tokens=8", "run.log_samples=2")
+LOSSES = ("loss", "pg_loss", "entropy", "clip_frac", "ratio_mean", "approx_kl", "grad_norm")
+
+
+@pytest.fixture(scope="module")
+def ray() -> Any:
+    return pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def graded_rewards() -> Iterator[None]:
+    """A local bonus of 0.01 per character of the answer, so that groups have spread.
+
+    The tiny model never writes a valid action, so every reward in a group ties and every
+    advantage is 0. Env steps run in this (the driver's) process in both backends.
+    """
+    original = PuzzleEnv.step
+
+    def step(self: PuzzleEnv, action: str) -> Any:
+        out = original(self, action)
+        return dataclasses.replace(out, local_reward=out.local_reward + 0.01 * len(action))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PuzzleEnv, "step", step)
+        yield
+
+
+def _cfg(root: Path, name: str, *extra: str) -> Config:
+    return load_config(PER_ROLE, [f"run.output_dir={root}", f"run.name={name}", *FAST, *extra])
+
+
+@dataclasses.dataclass
+class Run:
+    samples: list[tuple[Any, ...]]  # (step, task, agent, turn, branch, response)
+    advantages: list[float]
+    losses: list[dict[str, float]]  # per step
+    weights: dict[str, dict[str, torch.Tensor]]  # per policy, after the last step
+
+
+def _run(cfg: Config) -> Run:
+    from safetensors.torch import load_file
+
+    result = train(cfg)
+    assert result.steps_done == 2 and result.checkpoint is not None
+    lines = (cfg.run_dir / "samples.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    keys = ("step", "task_id", "agent_id", "turn_idx", "branch_idx", "response")
+    return Run(
+        samples=[tuple(r[k] for k in keys) for r in records],
+        advantages=[r["advantage"] for r in records],
+        losses=[
+            {k: v for k, v in m.items() if k.startswith("loss/") and k.split("/")[-1] in LOSSES}
+            for m in result.history
+        ],
+        weights={
+            pid: load_file(str(result.checkpoint / f"policy-{pid}" / "model.safetensors"))
+            for pid in ("tool", "planner")
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def in_process(graded_rewards: None, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    run = _run(_cfg(tmp_path_factory.mktemp("local"), "in-process"))
+    # The comparison has teeth: advantages spread, both policies learn from them.
+    assert any(abs(a) > 0.1 for a in run.advantages)
+    for pid in ("tool", "planner"):
+        assert all(step[f"loss/{pid}/grad_norm"] > 1e-3 for step in run.losses)
+    return run
+
+
+def _assert_same_run(got: Run, want: Run) -> None:
+    assert got.samples == want.samples  # the same sampled answers, in the same order
+    assert got.advantages == pytest.approx(want.advantages, abs=1e-6)
+    for step_got, step_want in zip(got.losses, want.losses, strict=True):
+        assert step_got.keys() == step_want.keys()
+        for k in step_want:
+            assert step_got[k] == pytest.approx(step_want[k], abs=1e-6), k
+    # Weights after two Adam steps: equal up to float summation order (a worker runs torch on
+    # the threads of its CPUs, this process on all of them).
+    for pid, tensors in want.weights.items():
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(got.weights[pid][name], tensor, atol=1e-5, rtol=0)
+
+
+@pytest.mark.scale
+def test_ray_on_a_local_cluster_matches_the_in_process_run(
+    ray: Any, in_process: Run, tmp_path: Path
+) -> None:
+    assert not ray.is_initialized()
+    cfg = _cfg(tmp_path, "ray-local", "backend.kind=ray", "backend.num_cpus=2")
+    _assert_same_run(_run(cfg), in_process)
+    assert not ray.is_initialized()  # the run stopped the cluster it started
+
+
+@pytest.fixture(scope="module")
+def two_nodes(ray: Any) -> Iterator[Any]:
+    """A simulated cluster of two nodes with one CPU each (this test starts and stops it)."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.scale
+def test_ray_on_two_nodes_matches_the_in_process_run(
+    ray: Any, in_process: Run, two_nodes: Any, tmp_path: Path
+) -> None:
+    # One CPU per node and one per group: the tool's and the planner's groups sit on
+    # different nodes.
+    address = f"backend.address={two_nodes.address}"
+    cfg = _cfg(tmp_path, "ray-two-nodes", "backend.kind=ray", address)
+    _assert_same_run(_run(cfg), in_process)
+    assert not ray.is_initialized()  # disconnected ...
+    ray.init(address=two_nodes.address)
+    try:  # ... and the cluster it joined still runs, both nodes
+        assert sum(node["Alive"] for node in ray.nodes()) == 2
+    finally:
+        ray.shutdown()
+
+
+def _batch(policy: Any) -> list[Sample]:
+    """Seven samples of three prompts of different lengths, advantages of both signs."""
+    tok = policy.tokenizer
+    torch.manual_seed(0)
+    engine = HFGenerator(policy.model, tok)
+    samples = []
+    for i, text in enumerate(["Moves?", "Where is the goal, planner?", "Go"]):
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        n = 3 if i < 2 else 1
+        gens = engine.generate([prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0)
+        for k, g in enumerate(gens):
+            samples.append(
+                Sample(i, i, "planner", 0, k, "shared", prompt, g.token_ids, g.logprobs,
+                       0.0, 0.0, 0.0, True, advantage=(k - 1) * 0.7 + 0.2 * i)
+            )  # fmt: skip
+    return samples
+
+
+@pytest.mark.scale
+def test_two_rank_gloo_update_equals_the_single_process_step(
+    ray: Any, two_nodes: Any, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from atgrpo.distributed import start_ray_policies
+
+    cfg = load_config(
+        TINY,
+        [
+            f"run.output_dir={tmp_path}",
+            "backend.kind=ray",
+            f"backend.address={two_nodes.address}",
+            "backend.policies.shared.num_workers=2",
+            "backend.policies.shared.placement=STRICT_SPREAD",  # one rank per node
+        ],
+    )
+    # Micro-batches of 2: ranks of 4 and 3 samples run 2 micro-batches each, padded differently.
+    settings = UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0)
+    policy = build_policy(cfg)
+    samples = _batch(policy)
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    want = ppo_update(policy, samples, settings)
+    assert not want.skipped
+    remote = start_ray_policies(cfg)
+    try:
+        learner = remote.learners["shared"]
+        got = learner.update(samples, settings).result()
+        digests = learner.digests()
+        learner.save(tmp_path / "dp")
+    finally:
+        remote.close()
+    assert not ray.is_initialized()
+    assert len(digests) == 2 and digests[0] == digests[1]  # the ranks took one step
+    assert (got.num_samples, got.num_tokens) == (want.num_samples, want.num_tokens)
+    for k in ("loss", "pg_loss", "entropy", "ratio_mean", "grad_norm"):
+        assert getattr(got, k) == pytest.approx(getattr(want, k), abs=1e-6), k
+    after = load_file(str(tmp_path / "dp" / "model.safetensors"))
+    moved = 0
+    for name, tensor in policy.model.state_dict().items():
+        if name in after:
+            torch.testing.assert_close(after[name], tensor, atol=1e-5, rtol=0)
+            moved += not torch.equal(before[name], tensor)
+    assert moved  # the step changed the weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Default tier: no Ray
+
+
+def test_the_distributed_package_imports_without_ray() -> None:
+    code = (
+        "import sys, atgrpo.distributed, atgrpo.distributed.layout, atgrpo.train; "
+        "print('ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_gpu_configs_give_each_policy_its_resource_pool() -> None:
+    gpu = REPO / "configs" / "gpu"
+    for size in ("1.7b", "8b"):
+        for domain in ("plan_path", "sudoku", "sokoban", "code", "math"):
+            for regime in ("mas", "mas-per_role"):
+                if (size, regime) == ("1.7b", "mas"):
+                    continue  # the single-GPU, in-process configs
+                cfg = load_config(gpu / f"qwen3-{size}-{domain}-{regime}.yaml")
+                assert cfg.backend.kind.value == "ray"
+                groups = worker_groups(cfg)
+                # per role: one group (own model, own GPUs) per policy; shared: one group
+                assert len(groups) == (2 if regime.endswith("per_role") else 1)
+                assert sorted(p for ids in groups.values() for p in ids) == sorted(cfg.policies)
+                for ids in groups.values():
+                    assert group_resources(cfg, ids).num_gpus >= 1
+
+
+def test_backend_errors_name_the_key() -> None:
+    cfg = load_config(PER_ROLE, ["backend.policies.coder.num_gpus=1"])
+    with pytest.raises(ConfigError, match=r"'backend\.policies\.coder': unknown policy 'coder'"):
+        group_resources(cfg, ["tool"])
+    # LoRA adapters on one base live in one group: the first policy's entry is the group's.
+    lora = load_config(
+        REPO / "configs" / "tiny-lora.yaml",
+        ["backend.policies.tool.num_cpus=2", "backend.policies.planner.num_cpus=3"],
+    )
+    assert list(worker_groups(lora).values()) == [["tool", "planner"]]
+    with pytest.raises(ConfigError, match=r"'backend\.policies\.planner': LoRA policies"):
+        group_resources(lora, ["tool", "planner"])
+
+
+class ThreadRanks:
+    """``all_reduce`` over threads, each a rank: a stand-in for torch.distributed."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size)
+        self.slots: list[Any] = [None] * world_size
+
+    def all_reduce(self, rank: int) -> Callable[[torch.Tensor], None]:
+        def reduce(tensor: torch.Tensor) -> None:
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0])  # the same order on every rank
+            self.barrier.wait()  # every rank has read the slots before they are reused
+            tensor.copy_(total)
+
+        return reduce
+
+
+def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}"])
+    settings = UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0)
+    single, ranks = build_policy(cfg), [build_policy(cfg), build_policy(cfg)]
+    samples = _batch(single)
+    want = ppo_update(single, samples, settings)
+    world = ThreadRanks(2)
+    shards = [samples[0::2], samples[1::2]]  # 4 and 3 samples: 2 micro-batches each
+    got: list[Any] = [None, None]
+
+    def run(rank: int) -> None:
+        got[rank] = ppo_update(ranks[rank], shards[rank], settings, world.all_reduce(rank))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got[0] == got[1]  # every rank reports the whole batch
+    assert (got[0].num_samples, got[0].num_tokens) == (want.num_samples, want.num_tokens)
+    for k in ("loss", "pg_loss", "entropy", "ratio_mean", "clip_frac", "grad_norm"):
+        assert getattr(got[0], k) == pytest.approx(getattr(want, k), abs=1e-6), k
+    expected = single.model.state_dict()
+    for rank in ranks:
+        for name, tensor in rank.model.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], atol=1e-5, rtol=0)
