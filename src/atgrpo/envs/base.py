@@ -19,8 +19,11 @@ The turn order of roles, the number of turns and the termination rule are data (
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, runtime_checkable
+
+from atgrpo.envs.splits import Split
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
 
@@ -124,6 +127,8 @@ class TurnBasedEnv:
         self.terminations: dict[str, bool] = {a: False for a in workflow.agents}
         self.truncations: dict[str, bool] = {a: False for a in workflow.agents}
         self.infos: dict[str, dict[str, Any]] = {a: {} for a in workflow.agents}
+        self._seed: int | None = None
+        self._split = Split.TRAIN
 
     def _start_episode(self) -> None:
         self.agents = list(self.possible_agents)
@@ -152,3 +157,25 @@ class TurnBasedEnv:
     @property
     def done(self) -> bool:
         return not self.agents
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of the current task (None for one given directly, e.g. in tests)."""
+        return self._seed
+
+    @property
+    def split(self) -> Split:
+        return self._split
+
+    def clone(self) -> Self:
+        """A deep copy; immutable task data may opt out with ``__deepcopy__`` returning self."""
+        return copy.deepcopy(self)
+
+    @staticmethod
+    def _split_option(options: dict[str, Any] | None) -> Split:
+        """``reset``'s options: only ``{"split": "train" | "validation" | "test"}``."""
+        options = dict(options or {})
+        split = Split(options.pop("split", Split.TRAIN))
+        if options:
+            raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
+        return split

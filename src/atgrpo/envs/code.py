@@ -44,7 +44,6 @@ running out of turns is never success by itself.
 from __future__ import annotations
 
 import ast
-import copy
 import enum
 import math
 import random
@@ -312,8 +311,6 @@ class CodeEnv(TurnBasedEnv):
         super().__init__(Workflow(name=name, agents=agents, max_turns=self.config.max_turns))
         self.dataset = self.config.load_dataset()  # shared by clones (CodeDataset.__deepcopy__)
         self._problem: CodeProblem | None = None
-        self._seed: int | None = None
-        self._split = Split.TRAIN
         self._solution: str | None = None  # s*, the current solution
         self._solution_correct = False  # s* passes every ground-truth test
         self._coder_parsed = True  # the coder's last answer had a code block
@@ -332,10 +329,7 @@ class CodeEnv(TurnBasedEnv):
         The splits are disjoint by content (decided in :func:`atgrpo.data.code.load_code_dataset`).
         ``seed=None`` draws a fresh random seed.
         """
-        options = dict(options or {})
-        split = Split(options.pop("split", Split.TRAIN))
-        if options:
-            raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
+        split = self._split_option(options)
         if seed is None:
             seed = random.SystemRandom().randrange(len(SEED_RANGES[split]))
         problems = self.dataset.problems(split)
@@ -353,22 +347,11 @@ class CodeEnv(TurnBasedEnv):
         self._history = []
         self._start_episode()
 
-    def clone(self) -> Self:
-        return copy.deepcopy(self)
-
     @property
     def problem(self) -> CodeProblem:
         if self._problem is None:
             raise RuntimeError("no episode yet: call reset() first")
         return self._problem
-
-    @property
-    def seed(self) -> int | None:
-        return self._seed
-
-    @property
-    def split(self) -> Split:
-        return self._split
 
     @property
     def instance_key(self) -> str:

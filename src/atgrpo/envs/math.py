@@ -14,12 +14,11 @@ problems or a local file.
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,7 +28,7 @@ from atgrpo.data.mathcheck import MAX_ANSWER_CHARS, extract_boxed, verify
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.parsing import extract_code, without_surrogates
 from atgrpo.envs.puzzle import WorkflowKind
-from atgrpo.envs.splits import SEED_RANGES, Split
+from atgrpo.envs.splits import SEED_RANGES
 
 TOOL = "tool"
 REASONER = "reasoner"
@@ -172,8 +171,6 @@ class MathEnv(TurnBasedEnv):
         super().__init__(Workflow(name=name, agents=agents, max_turns=self.config.max_turns))
         self.splits = splits if splits is not None else load_splits(self.config.data)
         self._problem: MathProblem | None = None
-        self._seed: int | None = None
-        self._split = Split.TRAIN
         self._tool_report: ToolReport | None = None  # this turn's (MAS), for the reasoner
         self._last_tool_answer: str | None = None  # the previous turn's, for prompts
         self._answer: str | None = None  # the reasoner's latest answer
@@ -192,10 +189,7 @@ class MathEnv(TurnBasedEnv):
         seed's offset in the split's seed range (:data:`SEED_RANGES`; any other seed counts
         from 0) modulo the split's size. So ``split_seeds(split, n)`` walks the first ``n``
         problems in order. ``seed=None`` draws a random problem."""
-        options = dict(options or {})
-        split = Split(options.pop("split", Split.TRAIN))
-        if options:
-            raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
+        split = self._split_option(options)
         problems = self.splits[split]
         seeds = SEED_RANGES[split]
         if seed is None:
@@ -216,23 +210,11 @@ class MathEnv(TurnBasedEnv):
         self._agreed = False
         self._start_episode()
 
-    def clone(self) -> Self:
-        return copy.deepcopy(self)  # the splits are shared (MathSplits.__deepcopy__)
-
     @property
     def problem(self) -> MathProblem:
         if self._problem is None:
             raise RuntimeError("no episode yet: call reset() first")
         return self._problem
-
-    @property
-    def seed(self) -> int | None:
-        """The seed of the current problem (None for one given to :meth:`reset_to`)."""
-        return self._seed
-
-    @property
-    def split(self) -> Split:
-        return self._split
 
     @property
     def instance_key(self) -> str:

@@ -42,7 +42,6 @@ Adding a puzzle (see plan_path.py for a complete one):
 
 from __future__ import annotations
 
-import copy
 import enum
 import math
 import random
@@ -218,8 +217,6 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         name = f"{spec.name}_{config.workflow.value}"
         super().__init__(Workflow(name=name, agents=agents, max_turns=config.max_turns))
         self._puzzle: PuzzleT | None = None
-        self._seed: int | None = None
-        self._split = Split.TRAIN
         self._tool_report: ToolReport | None = None  # this turn's, for the planner
         self._last_effect: Effect | None = None  # the previous planner's; None: unparseable
 
@@ -231,10 +228,7 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         Splits never share an instance, whatever the seeds (DESIGN.md invariant 5; see
         :mod:`atgrpo.envs.splits`). ``seed=None`` draws a fresh random seed.
         """
-        options = dict(options or {})
-        split = Split(options.pop("split", Split.TRAIN))
-        if options:
-            raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
+        split = self._split_option(options)
         if seed is None:
             seed = random.SystemRandom().randrange(len(SEED_RANGES[split]))
         self.reset_to(self.spec.generate(self.config, seed, split))
@@ -250,23 +244,11 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         self._last_effect = None
         self._start_episode()
 
-    def clone(self) -> Self:
-        return copy.deepcopy(self)
-
     @property
     def puzzle(self) -> PuzzleT:
         if self._puzzle is None:
             raise RuntimeError("no episode yet: call reset() first")
         return self._puzzle
-
-    @property
-    def seed(self) -> int | None:
-        """The seed of the current instance (None for a hand-made one)."""
-        return self._seed
-
-    @property
-    def split(self) -> Split:
-        return self._split
 
     @property
     def instance_key(self) -> str:
