@@ -89,7 +89,6 @@ def test_humaneval_canonical_solutions_pass_and_wrong_ones_fail_first_10(
     assert bad[0][0].error.startswith("AssertionError")
 
 
-@pytest.mark.slow
 def test_all_164_humaneval_canonical_solutions_pass(humaneval: list[data.CodeProblem]) -> None:
     start = time.monotonic()
     results = run_test_batches([(p.reference_solutions[0], p.tests) for p in humaneval])
