@@ -32,6 +32,7 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. the GGUF conversion's progress bar
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
     # Our own warnings (e.g. the sandbox's) as one line, without the source line.
