@@ -1,13 +1,15 @@
 """Scale-out: the Ray backend and data parallelism, on CPU.
 
 Default tier (no Ray): the package imports without ray, GPU configs resolve their worker
-groups, backend errors name the key, and two ranks (threads standing in for torch.distributed)
-take the single-process step. Tier ``scale`` (``make test-scale``, needs the ``ray`` extra):
+groups, backend errors name the key, two ranks (threads standing in for torch.distributed)
+take the single-process step, and the built-in envs pickle for env workers (code and math
+without their datasets). Tier ``scale`` (``make test-scale``, needs the ``ray`` extra):
 
 * Two training steps of L3 (two policies, two worker groups) on Ray give the same samples,
   advantages, losses and weights as the in-process path on the same seed: on a local cluster
   the run starts (2 CPUs) and stops, and on a simulated two-node cluster it joins and leaves
-  running.
+  running; on the two nodes again with two env workers, which run every env step and every
+  tool program (the driver runs none).
 * A policy group of two ranks (gloo, one per simulated node) takes the same step as one process
   on the same batch.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import subprocess
 import sys
 import threading
@@ -28,8 +31,22 @@ from typing import Any
 import pytest
 import torch
 
+from atgrpo import sandbox
 from atgrpo.config import Config, ConfigError, load_config
+from atgrpo.data.math import Benchmark, MathDataConfig, TrainSource
 from atgrpo.distributed.layout import group_resources, worker_groups
+from atgrpo.envs import (
+    ENV_REGISTRY,
+    CodeEnv,
+    MathConfig,
+    MathEnv,
+    PlanPathEnv,
+    SokobanConfig,
+    SokobanEnv,
+    StepOutcome,
+    SudokuConfig,
+    SudokuEnv,
+)
 from atgrpo.envs.puzzle import PuzzleEnv
 from atgrpo.generation import HFGenerator
 from atgrpo.loss import LossAggregation
@@ -41,8 +58,14 @@ from conftest import REPO
 
 PER_ROLE = REPO / "configs" / "tiny-per_role.yaml"
 TINY = REPO / "configs" / "tiny.yaml"
-# Short prompts and answers: the same code paths in a few seconds; every sample is logged.
-FAST = ("rollout.max_prompt_tokens=192", "rollout.max_new_tokens=8", "run.log_samples=2")
+# Short prompts and answers: the same code paths in a few seconds; every sample is logged. Primed
+# answers make the tool's completion a program (```python ...), run in the sandbox.
+FAST = (
+    "rollout.max_prompt_tokens=192",
+    "rollout.max_new_tokens=8",
+    "run.log_samples=2",
+    "env.prime_answers=true",
+)
 LOSSES = ("loss", "pg_loss", "entropy", "clip_frac", "ratio_mean", "approx_kl", "grad_norm")
 
 
@@ -51,22 +74,30 @@ def ray() -> Any:
     return pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def graded_rewards() -> Iterator[None]:
-    """A local bonus of 0.01 per character of the answer, so that groups have spread.
+class GradedPlanPath(PlanPathEnv):
+    """Plan-Path with a local bonus of 0.01 per character of the answer, so that groups spread.
 
-    The tiny model never writes a valid action, so every reward in a group ties and every
-    advantage is 0. Env steps run in this (the driver's) process in both backends.
+    The tiny model never writes a valid action, so every reward in a group would tie and every
+    advantage would be 0.
     """
-    original = PuzzleEnv.step
 
-    def step(self: PuzzleEnv, action: str) -> Any:
-        out = original(self, action)
+    def step(self, action: str) -> StepOutcome:
+        out = super().step(action)
         return dataclasses.replace(out, local_reward=out.local_reward + 0.01 * len(action))
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(PuzzleEnv, "step", step)
-        yield
+
+@pytest.fixture(scope="module")
+def graded_rewards(ray: Any) -> Iterator[None]:
+    """Runs build :class:`GradedPlanPath` envs, here and (pickled by value) in env workers."""
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    this_module = sys.modules[__name__]  # env workers cannot import tests/: send its classes
+    cloudpickle.register_pickle_by_value(this_module)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(ENV_REGISTRY, "plan_path", GradedPlanPath.from_config)
+            yield
+    finally:
+        cloudpickle.unregister_pickle_by_value(this_module)
 
 
 def _cfg(root: Path, name: str, *extra: str) -> Config:
@@ -105,7 +136,17 @@ def _run(cfg: Config) -> Run:
 
 @pytest.fixture(scope="module")
 def in_process(graded_rewards: None, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    run = _run(_cfg(tmp_path_factory.mktemp("local"), "in-process"))
+    programs: list[str] = []
+    run_python = sandbox.run_python
+
+    def counted(code: str, *args: Any, **kwargs: Any) -> Any:
+        programs.append(code)
+        return run_python(code, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sandbox, "run_python", counted)
+        run = _run(_cfg(tmp_path_factory.mktemp("local"), "in-process"))
+    assert programs  # the tool agent's programs ran in the sandbox
     # The comparison has teeth: advantages spread, both policies learn from them.
     assert any(abs(a) > 0.1 for a in run.advantages)
     for pid in ("tool", "planner"):
@@ -166,6 +207,27 @@ def test_ray_on_two_nodes_matches_the_in_process_run(
         assert sum(node["Alive"] for node in ray.nodes()) == 2
     finally:
         ray.shutdown()
+
+
+@pytest.mark.scale
+def test_env_workers_on_two_nodes_match_the_in_process_run(
+    ray: Any, in_process: Run, two_nodes: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def not_here(self: PuzzleEnv, action: str) -> StepOutcome:
+        raise AssertionError("an env step (and its program) ran in the driver")
+
+    # The driver's envs cannot step; the env workers import their own, unpatched, PuzzleEnv.
+    monkeypatch.setattr(PuzzleEnv, "step", not_here)
+    cfg = _cfg(
+        tmp_path,
+        "ray-env-workers",
+        "backend.kind=ray",
+        f"backend.address={two_nodes.address}",
+        "backend.num_env_workers=2",
+        "backend.env_worker_cpus=0",  # the two policy groups hold both nodes' CPUs
+    )
+    _assert_same_run(_run(cfg), in_process)
+    assert not ray.is_initialized()  # the env workers went with the run's connection
 
 
 def _batch(policy: Any) -> list[Sample]:
@@ -275,6 +337,37 @@ def test_backend_errors_name_the_key() -> None:
     assert list(worker_groups(lora).values()) == [["tool", "planner"]]
     with pytest.raises(ConfigError, match=r"'backend\.policies\.planner': LoRA policies"):
         group_resources(lora, ["tool", "planner"])
+    with pytest.raises(ConfigError, match=r"'backend\.num_env_workers': env workers are Ray"):
+        load_config(PER_ROLE, ["backend.num_env_workers=2"])  # backend.kind: local
+
+
+def _problems(path: Path, first: int, n: int) -> str:
+    rows = [{"id": f"p{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i)}
+            for i in range(first, first + n)]  # fmt: skip
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    return str(path)
+
+
+def test_envs_pickle_for_env_workers_without_their_datasets(tmp_path: Path) -> None:
+    data = MathDataConfig(
+        train=TrainSource.LOCAL,
+        train_path=_problems(tmp_path / "train.jsonl", 0, 400),
+        test=Benchmark.LOCAL,
+        test_path=_problems(tmp_path / "test.jsonl", 1000, 20),
+    )
+    math_env, code_env = MathEnv(MathConfig(data=data)), CodeEnv()  # code: packaged HumanEval
+    for env, dataset in ((math_env, math_env.splits), (code_env, code_env.dataset)):
+        env.reset(seed=0)
+        sent = pickle.dumps(env)
+        assert len(sent) * 10 < len(pickle.dumps(dataset))  # the env, not the dataset
+        back = pickle.loads(sent)
+        assert back.observe(back.agent_selection) == env.observe(env.agent_selection)
+        assert back.step("no answer") == env.clone().step("no answer")
+    assert pickle.loads(pickle.dumps(math_env)).splits is math_env.splits  # read once here
+    for puzzle in (PlanPathEnv(), SudokuEnv(SudokuConfig()), SokobanEnv(SokobanConfig())):
+        puzzle.reset(seed=0)
+        back = pickle.loads(pickle.dumps(puzzle))
+        assert back.observe(back.agent_selection) == puzzle.observe(puzzle.agent_selection)
 
 
 class ThreadRanks:

@@ -171,7 +171,7 @@ class ThreeAgentEnv(TurnBasedEnv):
         super().__init__(Workflow("three", ("a", "b", "c"), max_turns=2))
 
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
-        self.seed = seed
+        self._seed = seed
         self._start_episode()
 
     def observe(self, agent_id: str) -> list[dict[str, str]]:

@@ -7,7 +7,9 @@ is checked on known completions; test_train_smoke.py runs the real tiny model en
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 from atgrpo.advantage import Grouping, assign_advantages
 from atgrpo.envs import PlanPathConfig, PlanPathEnv
 from atgrpo.generation import Generation
-from atgrpo.rollout import RolloutSettings, collect_rollout
+from atgrpo.rollout import EnvStepper, RolloutSettings, ThreadStepper, collect_rollout
 
 
 class ScriptedGenerator:
@@ -56,7 +58,8 @@ def _envs(n: int, workflow: str = "mas", seed0: int = 0) -> list[PlanPathEnv]:
     return envs
 
 
-def _run(envs, gen, width=3, tree=True):
+def _run(envs, gen, width=3, tree=True, stepper: Callable[..., EnvStepper] | None = None):
+    """A rollout; ``stepper(pool)`` steps the envs (default: ``pool=``, a ThreadStepper)."""
     settings = RolloutSettings(
         width=width,
         tree=tree,
@@ -72,7 +75,7 @@ def _run(envs, gen, width=3, tree=True):
             policy_of={"tool": "shared", "planner": "shared"},
             encode=encode,
             settings=settings,
-            pool=pool,
+            **({"pool": pool} if stepper is None else {"stepper": stepper(pool)}),
         )
 
 
@@ -133,6 +136,47 @@ def test_independent_sampling_runs_k_trajectories() -> None:
         (t, k) for t in range(2) for k in range(2)
     }
     assign_advantages(rollout.samples, Grouping.TRAJECTORY)
+
+
+class PicklingStepper:
+    """Steps pickled copies of the envs and returns those, as Ray env workers do.
+
+    The envs it is given are left as they were, so a rollout that continued from them instead
+    of from the returned ones would never advance: ``max_calls`` stops it.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, max_calls: int) -> None:
+        self.inner, self.calls, self.max_calls = ThreadStepper(pool), 0, max_calls
+
+    def step(self, envs, actions):
+        self.calls += 1
+        assert self.calls <= self.max_calls, "the rollout stepped more often than it has turns"
+        return self.inner.step(pickle.loads(pickle.dumps(envs)), actions)
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_the_rollout_continues_from_the_envs_the_stepper_returns(tree: bool) -> None:
+    script = {"tool": PROGRAMS, "planner": PLANS}
+    want = _run(_envs(3), ScriptedGenerator(script), width=3, tree=tree)
+    steppers: list[PicklingStepper] = []
+
+    def pickling(pool: ThreadPoolExecutor) -> PicklingStepper:
+        steppers.append(PicklingStepper(pool, max_calls=4))  # 2 turns x 2 agents
+        return steppers[-1]
+
+    got = _run(_envs(3), ScriptedGenerator(script), width=3, tree=tree, stepper=pickling)
+    assert steppers[0].calls == len({(s.agent_id, s.turn_idx) for s in want.samples})
+    assert got.samples == want.samples  # prompts show the stepped state: the same rollout
+    assert got.episodes == want.episodes and got.kept_branches == want.kept_branches
+
+
+def test_collect_rollout_takes_one_stepper() -> None:
+    with ThreadPoolExecutor(1) as pool, pytest.raises(TypeError, match="exactly one"):
+        collect_rollout(
+            _envs(1), [0], generators={}, policy_of={}, encode=encode,
+            settings=RolloutSettings(1, True, 1.0, {}, 0.7),
+            stepper=ThreadStepper(pool), pool=pool,
+        )  # fmt: skip
 
 
 MALFORMED = [

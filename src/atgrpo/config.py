@@ -308,6 +308,26 @@ class BackendConfig(_Section):
             "with one CPU. LoRA policies on one base share one group (the first one's entry)."
         ),
     )
+    num_env_workers: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Ray actors that step the envs and run their sandboxed programs, spread over the "
+            "nodes; each has rollout.env_workers threads (0: its node's cores). 0: the driver "
+            "steps them on its own thread pool. Ray backend only."
+        ),
+    )
+    env_worker_cpus: float = Field(
+        1.0, ge=0.0, description="CPUs each env worker reserves (Ray scheduling)."
+    )
+
+    @model_validator(mode="after")
+    def _env_workers_need_ray(self) -> BackendConfig:
+        if self.num_env_workers and self.kind is not BackendKind.RAY:
+            raise KeyedValueError(
+                "backend.num_env_workers", "env workers are Ray actors: needs backend.kind=ray"
+            )
+        return self
 
 
 class Config(_Section):

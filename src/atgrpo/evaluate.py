@@ -23,7 +23,7 @@ import torch
 from atgrpo.config import Config
 from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.generation import Generator
-from atgrpo.rollout import PromptEncoder, RolloutSettings, collect_rollout
+from atgrpo.rollout import EnvStepper, PromptEncoder, RolloutSettings, collect_rollout
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -73,9 +73,14 @@ def evaluate(
     encode: PromptEncoder | Mapping[str, PromptEncoder],
     split: Split,
     num_tasks: int,
-    pool: ThreadPoolExecutor,
+    stepper: EnvStepper | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> EvalReport:
-    """Run ``num_tasks`` tasks of ``split`` (n times each) and score them strictly."""
+    """Run ``num_tasks`` tasks of ``split`` (n times each) and score them strictly.
+
+    ``stepper`` (or ``pool``, short for a :class:`~atgrpo.rollout.ThreadStepper` on it) steps
+    the envs, as in :func:`~atgrpo.rollout.collect_rollout`.
+    """
     seeds = split_seeds(split, num_tasks)
     envs: list[Any] = []
     for seed in seeds:
@@ -102,6 +107,7 @@ def evaluate(
             policy_of=policy_of,
             encode=encode,
             settings=settings,
+            stepper=stepper,
             pool=pool,
         )
     valid: dict[str, list[float]] = defaultdict(list)

@@ -13,6 +13,12 @@ mode has K slots per task and width 1.
 All K samples of all live slots for one agent and turn go to the generator in one batched call:
 one call per (agent, turn), hence per policy (in L2, per adapter); the policy id of the agent
 is stamped on every sample, which is how the update routes it (DESIGN.md, invariant 4).
+
+The K branches of all slots are stepped by an :class:`EnvStepper` in one call per (agent, turn):
+:class:`ThreadStepper` steps them in place on this process's thread pool (their programs run in
+its sandbox); Ray env workers (``atgrpo.distributed.env_workers``) step pickled copies on
+other processes or nodes and send them back. Either way the rollout continues from the envs the
+stepper returns.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from atgrpo.envs import MultiAgentEnv, StepOutcome
 from atgrpo.envs.base import Message
@@ -27,6 +34,38 @@ from atgrpo.generation import Generator
 from atgrpo.records import EpisodeResult, Rollout, Sample
 
 PromptEncoder = Callable[[list[Message]], list[int]]
+
+
+class EnvStepper(Protocol):
+    """Applies one action to each env: in this process, or on env workers elsewhere."""
+
+    def step(
+        self, envs: list[MultiAgentEnv], actions: list[str]
+    ) -> tuple[list[MultiAgentEnv], list[StepOutcome]]:
+        """``envs[i].step(actions[i])`` for every i; the stepped envs and outcomes, in order.
+
+        The stepped envs may be new objects (copies that travelled to another process); the
+        caller uses them, never the ones it passed.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class ThreadStepper:
+    """Steps the envs in place on a thread pool of this process (sandboxed programs run here)."""
+
+    pool: ThreadPoolExecutor
+
+    def step(
+        self, envs: list[MultiAgentEnv], actions: list[str]
+    ) -> tuple[list[MultiAgentEnv], list[StepOutcome]]:
+        if len(envs) != len(actions):
+            raise ValueError(f"{len(envs)} envs but {len(actions)} actions")
+        return list(envs), list(self.pool.map(_step, envs, actions))
+
+
+def _step(env: MultiAgentEnv, action: str) -> StepOutcome:
+    return env.step(action)
 
 
 @dataclass(frozen=True)
@@ -56,14 +95,18 @@ def collect_rollout(
     policy_of: dict[str, str],
     encode: PromptEncoder | Mapping[str, PromptEncoder],
     settings: RolloutSettings,
-    pool: ThreadPoolExecutor,
+    stepper: EnvStepper | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> Rollout:
     """Run every env (already reset) to the end; return all samples and episode results.
 
     ``policy_of`` maps each agent id to the id of the policy that acts for it,
     ``generators`` maps policy ids to their rollout engines, and ``encode`` is one prompt
-    encoder, or one per policy id when the policies' tokenizers differ (L3).
+    encoder, or one per policy id when the policies' tokenizers differ (L3). ``stepper``
+    applies the actions to the envs; ``pool`` is short for ``stepper=ThreadStepper(pool)``
+    (give exactly one of the two).
     """
+    stepper = _one_stepper(stepper, pool)
     if settings.tree:
         slots = [_Slot(i, s, 0, env) for i, (env, s) in enumerate(zip(envs, seeds, strict=True))]
         width = settings.width
@@ -85,7 +128,7 @@ def collect_rollout(
         for agent_id, group in by_agent.items():
             samples.extend(
                 _step_agent(
-                    agent_id, group, width, generators, policy_of, encode, settings, pool, kept
+                    agent_id, group, width, generators, policy_of, encode, settings, stepper, kept
                 )
             )
     episodes = [
@@ -93,6 +136,14 @@ def collect_rollout(
         for s in slots
     ]
     return Rollout(samples=samples, episodes=episodes, kept_branches=kept)
+
+
+def _one_stepper(stepper: EnvStepper | None, pool: ThreadPoolExecutor | None) -> EnvStepper:
+    if stepper is not None and pool is None:
+        return stepper
+    if pool is not None and stepper is None:
+        return ThreadStepper(pool)
+    raise TypeError("collect_rollout needs exactly one of stepper= and pool=")
 
 
 def _step_agent(
@@ -103,7 +154,7 @@ def _step_agent(
     policy_of: dict[str, str],
     encode: PromptEncoder | Mapping[str, PromptEncoder],
     settings: RolloutSettings,
-    pool: ThreadPoolExecutor,
+    stepper: EnvStepper,
     kept: dict[tuple[int, str, int], int],
 ) -> list[Sample]:
     """One agent acts in every slot: K samples per slot, each on its own env copy."""
@@ -118,10 +169,13 @@ def _step_agent(
         max_new_tokens=settings.max_new_tokens[agent_id],
         temperature=settings.temperature,
     )
-    branches = [slot.env.clone() for slot in slots for _ in range(width)]
-    outcomes: list[StepOutcome] = list(
-        pool.map(lambda bg: bg[0].step(bg[1].text), zip(branches, generations, strict=True))
-    )
+    copies = [slot.env.clone() for slot in slots for _ in range(width)]
+    branches, outcomes = stepper.step(copies, [g.text for g in generations])
+    if not len(branches) == len(outcomes) == len(copies):
+        raise RuntimeError(
+            f"the env stepper returned {len(branches)} envs and {len(outcomes)} outcomes for "
+            f"{len(copies)} actions"
+        )
     samples: list[Sample] = []
     for i, slot in enumerate(slots):
         turn_idx = slot.env.turn_idx

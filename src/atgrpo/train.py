@@ -43,7 +43,13 @@ from atgrpo.policies import (
     route_samples,
 )
 from atgrpo.records import Sample
-from atgrpo.rollout import PromptEncoder, RolloutSettings, collect_rollout
+from atgrpo.rollout import (
+    EnvStepper,
+    PromptEncoder,
+    RolloutSettings,
+    ThreadStepper,
+    collect_rollout,
+)
 from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
 
 
@@ -88,7 +94,7 @@ class LocalLearner:
 
 @dataclass
 class Runtime:
-    """Everything chosen once before the loop: policies, engines, routing, thread pool."""
+    """Everything chosen once before the loop: policies, engines, routing, env stepper."""
 
     cfg: Config
     agents: tuple[str, ...]
@@ -97,13 +103,11 @@ class Runtime:
     generators: dict[str, Generator]  # per policy id
     policy_of: dict[str, str]  # agent id -> policy id
     encode: dict[str, PromptEncoder]  # per policy id (L3 policies may have other tokenizers)
-    pool: ThreadPoolExecutor
-    on_close: list[Callable[[], None]] = field(default_factory=list)  # e.g. free Ray groups
+    stepper: EnvStepper  # env steps: this process's thread pool or Ray env workers
+    on_close: list[Callable[[], None]] = field(default_factory=list)  # thread pool, Ray actors
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        for close in self.on_close:
-            close()
+        _close_all(self.on_close)
 
     def evaluate(self, split: Split, num_tasks: int) -> EvalReport:
         return evaluate(
@@ -113,14 +117,26 @@ class Runtime:
             encode=self.encode,
             split=split,
             num_tasks=num_tasks,
-            pool=self.pool,
+            stepper=self.stepper,
         )
+
+
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    """Last started, first closed (env workers and groups before the Ray connection); each one
+    runs even when a later-started one fails."""
+    if closers:
+        close = closers.pop()
+        try:
+            close()
+        finally:
+            _close_all(closers)
 
 
 def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
     """Build every policy (from ``checkpoint`` when given) and wire each agent to its policy.
 
-    ``backend.kind: ray`` builds them in Ray worker groups instead (``atgrpo.distributed``);
+    ``backend.kind: ray`` builds them in Ray worker groups instead, and with
+    ``backend.num_env_workers`` steps the envs in Ray env workers (``atgrpo.distributed``);
     the loop reaches them through the same protocols.
     """
     agents = make_env(cfg.env).possible_agents
@@ -128,20 +144,24 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
     weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
     policies: dict[str, Policy] = {}
     on_close: list[Callable[[], None]] = []
-    if cfg.backend.kind is BackendKind.RAY:
-        from atgrpo.distributed import start_ray_policies  # the optional `ray` extra
+    try:
+        if cfg.backend.kind is BackendKind.RAY:
+            from atgrpo.distributed import start_ray_policies  # the optional `ray` extra
 
-        remote = start_ray_policies(cfg, weights)
-        learners: dict[str, Learner] = dict(remote.learners)
-        generators: dict[str, Generator] = dict(remote.generators)
-        tokenizers = remote.tokenizers
-        on_close.append(remote.close)
-    else:
-        policies = build_policies(cfg, weights)
-        learners = {pid: LocalLearner(p) for pid, p in policies.items()}
-        generators = build_generators(cfg, policies)
-        tokenizers = {pid: p.tokenizer for pid, p in policies.items()}
-    workers = cfg.rollout.env_workers or os.cpu_count() or 1
+            remote = start_ray_policies(cfg, weights)
+            on_close.append(remote.close)
+            learners: dict[str, Learner] = dict(remote.learners)
+            generators: dict[str, Generator] = dict(remote.generators)
+            tokenizers = remote.tokenizers
+        else:
+            policies = build_policies(cfg, weights)
+            learners = {pid: LocalLearner(p) for pid, p in policies.items()}
+            generators = build_generators(cfg, policies)
+            tokenizers = {pid: p.tokenizer for pid, p in policies.items()}
+        stepper = _build_stepper(cfg, on_close)
+    except BaseException:
+        _close_all(on_close)
+        raise
     return Runtime(
         cfg=cfg,
         agents=agents,
@@ -152,9 +172,22 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
         encode={
             pid: make_encoder(tok, cfg.rollout.max_prompt_tokens) for pid, tok in tokenizers.items()
         },
-        pool=ThreadPoolExecutor(max_workers=workers),
+        stepper=stepper,
         on_close=on_close,
     )
+
+
+def _build_stepper(cfg: Config, on_close: list[Callable[[], None]]) -> EnvStepper:
+    """Ray env workers (``backend.num_env_workers`` > 0), else a thread pool in this process."""
+    if cfg.backend.kind is BackendKind.RAY and cfg.backend.num_env_workers > 0:
+        from atgrpo.distributed import start_env_workers  # on the cluster the policies joined
+
+        env_workers = start_env_workers(cfg)
+        on_close.append(env_workers.close)
+        return env_workers
+    pool = ThreadPoolExecutor(max_workers=cfg.rollout.env_workers or os.cpu_count() or 1)
+    on_close.append(pool.shutdown)  # waits for running steps
+    return ThreadStepper(pool)
 
 
 @dataclass
@@ -205,7 +238,7 @@ def _collect(rt: Runtime, step: int) -> Any:
         policy_of=rt.policy_of,
         encode=rt.encode,
         settings=settings,
-        pool=rt.pool,
+        stepper=rt.stepper,
     )
 
 

@@ -9,7 +9,10 @@ model, optimizer and generator:
 * :class:`~atgrpo.distributed.group.RemoteLearner` is a :class:`atgrpo.train.Learner` (update,
   learning rate, checkpoint save and restore);
 * inside a group of several workers, ``torch.distributed`` (gloo on CPU, nccl on GPU) sums the
-  gradients of the ranks' shards (:func:`atgrpo.update.ppo_update`'s ``all_reduce``).
+  gradients of the ranks' shards (:func:`atgrpo.update.ppo_update`'s ``all_reduce``);
+* with ``backend.num_env_workers`` > 0, :class:`~atgrpo.distributed.env_workers.RayEnvStepper`
+  is the rollout's :class:`atgrpo.rollout.EnvStepper`: env steps and their sandboxed programs
+  run in Ray actors spread over the nodes, not on the driver.
 
 No algorithm lives here: this package moves data and calls the functions the single-process
 loop calls. Importing it does not import ray (the optional ``ray`` extra); starting it does.
@@ -24,9 +27,10 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from atgrpo.config import Config
+    from atgrpo.distributed.env_workers import RayEnvStepper
     from atgrpo.distributed.group import RayPolicies
 
-__all__ = ["start_ray_policies"]
+__all__ = ["start_env_workers", "start_ray_policies"]
 
 
 def start_ray_policies(cfg: Config, weights: dict[str, Path] | None = None) -> RayPolicies:
@@ -34,3 +38,10 @@ def start_ray_policies(cfg: Config, weights: dict[str, Path] | None = None) -> R
     from atgrpo.distributed.group import start_ray_policies as start
 
     return start(cfg, weights)
+
+
+def start_env_workers(cfg: Config) -> RayEnvStepper:
+    """Start ``backend.num_env_workers`` env workers on the cluster (connect to it first)."""
+    from atgrpo.distributed.env_workers import start_env_workers as start
+
+    return start(cfg)

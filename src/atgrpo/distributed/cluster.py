@@ -5,11 +5,52 @@ killed every Ray process on the machine). ``backend.address: null`` starts a loc
 the run and shuts it down at the end; an address connects to a running cluster and at the end
 only disconnects from it; a process already connected to Ray (a notebook, a test) keeps its
 connection as it is.
+
+Also the plumbing every actor of the run shares: the environment variables it inherits from the
+driver and waiting on its results.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from atgrpo.config import BackendConfig
+
+# Passed on to the workers when set here: model cache, offline hub, sandbox, quiet libraries.
+FORWARDED_ENV = (
+    "ATGRPO_CACHE",
+    "ATGRPO_SANDBOX",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "TOKENIZERS_PARALLELISM",
+    "TRANSFORMERS_VERBOSITY",
+)
+
+
+def worker_env_vars() -> dict[str, str]:
+    """The environment variables of this run's actors (``runtime_env``): ``FORWARDED_ENV``."""
+    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no bars in the workers' logs
+    return env
+
+
+def get_all(refs: list[Any]) -> list[Any]:
+    """Every result, raising the first failure as soon as it happens.
+
+    (A rank that failed leaves the others waiting in a collective; waiting on them in order
+    would hang until the collective times out.)
+    """
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(refs)
 
 
 class RayConnection:

@@ -15,7 +15,6 @@ actors placed in a placement group of their own, so each group gets the CPUs and
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,37 +26,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from atgrpo.config import Config, WorkerGroupConfig
-from atgrpo.distributed.cluster import RayConnection
+from atgrpo.distributed.cluster import RayConnection, get_all, worker_env_vars
 from atgrpo.distributed.layout import group_resources, worker_groups
 from atgrpo.distributed.worker import PolicyWorker
 from atgrpo.generation import Generation
 from atgrpo.records import Sample
 from atgrpo.update import UpdateSettings, UpdateStats
-
-# Passed on to the workers when set here: model cache, offline hub, quiet libraries.
-FORWARDED_ENV = (
-    "ATGRPO_CACHE",
-    "XDG_CACHE_HOME",
-    "HF_HOME",
-    "HF_HUB_CACHE",
-    "HF_HUB_OFFLINE",
-    "HF_HUB_DISABLE_PROGRESS_BARS",
-    "TOKENIZERS_PARALLELISM",
-    "TRANSFORMERS_VERBOSITY",
-)
-
-
-def _get_all(refs: list[Any]) -> list[Any]:
-    """Every result, raising the first failure as soon as it happens.
-
-    (A rank that failed leaves the others waiting in a collective; waiting on them in order
-    would hang until the collective times out.)
-    """
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        ray.get(ready)
-    return ray.get(refs)
 
 
 class PolicyGroup:
@@ -77,8 +51,7 @@ class PolicyGroup:
             bundle["GPU"] = resources.num_gpus
         n = resources.num_workers
         self.placement = placement_group([bundle] * n, strategy=resources.placement.value)
-        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no bars in the workers' logs
+        env = worker_env_vars()
         actor: Any = ray.remote(PolicyWorker)  # handles are typed loosely: ray's stubs are partial
         raw = cfg.model_dump(mode="json")
         own = {pid: str(weights[pid]) for pid in policy_ids if pid in weights}
@@ -106,10 +79,10 @@ class PolicyGroup:
                 f"cluster has {ray.available_resources()} free: lower backend.policies."
                 f"{self.name} or add nodes"
             )
-        _get_all([w.ready.remote() for w in self.workers])
+        get_all([w.ready.remote() for w in self.workers])
         if len(self.workers) > 1:
             address = ray.get(self.workers[0].rendezvous_address.remote())
-            _get_all([w.join.remote(address) for w in self.workers])
+            get_all([w.join.remote(address) for w in self.workers])
 
     def close(self) -> None:
         """Kill this group's actors and free its placement group (nothing else)."""
@@ -142,13 +115,13 @@ class RemoteGenerator:
         ]
         if not refs:
             return []
-        results = _get_all(refs)
+        results = get_all(refs)
         torch.set_rng_state(results[0][1])  # the driver's stream goes on from rank 0's draws
         return [g for generations, _ in results for g in generations]
 
     def sync_weights(self) -> None:
         """Every rank's engine samples from its new weights (a no-op for the HF engine)."""
-        _get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
+        get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
 
 
 class RemoteLearner:
@@ -167,7 +140,7 @@ class RemoteLearner:
             for rank, worker in enumerate(workers)
         ]
         # Every rank returns the same whole-batch statistics; rank 0's stand for the group.
-        return self.group.waiter.submit(lambda: _get_all(refs)[0])
+        return self.group.waiter.submit(lambda: get_all(refs)[0])
 
     def last_lr(self) -> float:
         return float(ray.get(self.group.workers[0].last_lr.remote(self.policy_id)))
@@ -182,12 +155,12 @@ class RemoteLearner:
         return kind
 
     def restore(self, checkpoint: Path) -> None:
-        _get_all([w.restore.remote(self.policy_id, str(checkpoint)) for w in self.group.workers])
+        get_all([w.restore.remote(self.policy_id, str(checkpoint)) for w in self.group.workers])
 
     def digests(self) -> list[str]:
         """A hash of the trainable weights on every rank (equal while the ranks are in step)."""
         return [
-            str(d) for d in _get_all([w.digest.remote(self.policy_id) for w in self.group.workers])
+            str(d) for d in get_all([w.digest.remote(self.policy_id) for w in self.group.workers])
         ]
 
 

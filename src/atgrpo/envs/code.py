@@ -309,7 +309,7 @@ class CodeEnv(TurnBasedEnv):
         agents = (CODER, TESTER) if mas else (CODER,)
         name = f"code_{self.config.workflow.value}"
         super().__init__(Workflow(name=name, agents=agents, max_turns=self.config.max_turns))
-        self.dataset = self.config.load_dataset()  # shared by clones (CodeDataset.__deepcopy__)
+        self.config.load_dataset()  # read, or fail, now rather than at the first reset
         self._problem: CodeProblem | None = None
         self._solution: str | None = None  # s*, the current solution
         self._solution_correct = False  # s* passes every ground-truth test
@@ -320,6 +320,12 @@ class CodeEnv(TurnBasedEnv):
     @classmethod
     def from_config(cls, config: CodeConfig) -> CodeEnv:
         return cls(config)
+
+    @property
+    def dataset(self) -> CodeDataset:
+        """The configured dataset, read once per process and shared by every env and clone; not
+        an attribute, so a pickled env (an env worker's) leaves it out."""
+        return self.config.load_dataset()
 
     # -- episode -------------------------------------------------------------------------------
 

@@ -169,7 +169,10 @@ class MathEnv(TurnBasedEnv):
         agents = (TOOL, REASONER) if self.config.workflow is WorkflowKind.MAS else (REASONER,)
         name = f"math_{self.config.workflow.value}"
         super().__init__(Workflow(name=name, agents=agents, max_turns=self.config.max_turns))
-        self.splits = splits if splits is not None else load_splits(self.config.data)
+        # Not kept when read by config: a pickled env (an env worker's) leaves the dataset out.
+        self._splits = splits
+        if splits is None:
+            load_splits(self.config.data)  # read, or fail, now rather than at the first reset
         self._problem: MathProblem | None = None
         self._tool_report: ToolReport | None = None  # this turn's (MAS), for the reasoner
         self._last_tool_answer: str | None = None  # the previous turn's, for prompts
@@ -181,6 +184,11 @@ class MathEnv(TurnBasedEnv):
     @classmethod
     def from_config(cls, config: MathConfig) -> MathEnv:
         return cls(config)
+
+    @property
+    def splits(self) -> MathSplits:
+        """The problems: those given, else ``config.data``'s, read once per process."""
+        return self._splits if self._splits is not None else load_splits(self.config.data)
 
     # -- episode -------------------------------------------------------------------------------
 
