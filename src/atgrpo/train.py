@@ -337,6 +337,9 @@ def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) ->
             metrics.update(adv_stats.metrics())
             metrics.update(policy_metrics(rt.learners, updates))
             metrics["perf/rollout_s"] = t_rollout
+            # Sampled tokens per second of rollout (generation + env steps), all engines together.
+            sampled = sum(len(s.response_ids) for s in rollout.samples)
+            metrics["perf/rollout_tokens_per_s"] = sampled / max(t_rollout, 1e-9)
             metrics["perf/update_s"] = time.perf_counter() - t0 - t_rollout
             if cfg.eval.every and step % cfg.eval.every == 0:
                 metrics.update(rt.evaluate(Split.VALIDATION, cfg.eval.num_tasks).metrics())
