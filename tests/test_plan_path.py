@@ -23,6 +23,7 @@ from atgrpo.envs import (
 )
 from atgrpo.envs.parsing import extract_code, parse_moves
 from atgrpo.envs.plan_path import GridInstance
+from conftest import FakeSandbox
 
 MALFORMED = [
     "",
@@ -45,20 +46,6 @@ def tiny_env(**overrides: object) -> PlanPathEnv:
     env = PlanPathEnv(PlanPathConfig(workflow=WorkflowKind.SINGLE, **overrides))  # type: ignore[arg-type]
     env.reset_to_instance(GridInstance.from_rows(TINY))
     return env
-
-
-class FakeSandbox:
-    """A stand-in for sandbox.run_python that returns a fixed result and records the code."""
-
-    def __init__(self, stdout: str, status: sandbox.ExitStatus = sandbox.ExitStatus.OK) -> None:
-        self.stdout, self.status = stdout, status
-        self.calls: list[str] = []
-
-    def __call__(
-        self, code: str, limits: sandbox.SandboxLimits | None = None
-    ) -> sandbox.SandboxResult:
-        self.calls.append(code)
-        return sandbox.SandboxResult(self.status, self.stdout, "", 0, 0.01)
 
 
 # -- generation ---------------------------------------------------------------------------------

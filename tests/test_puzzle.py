@@ -23,6 +23,7 @@ from atgrpo.envs import (
     split_of,
     split_seeds,
 )
+from conftest import FakeSandbox
 
 _GUESS = re.compile(r"guess\s*:\s*(\d{1,6})", re.IGNORECASE)
 _NUMBER = re.compile(r"\d{1,6}")
@@ -113,20 +114,6 @@ def guess_env(
     env = PuzzleEnv(cfg, GUESS)
     env.reset_to(GuessPuzzle(secret, cfg.high, cfg.lives))
     return env
-
-
-class FakeSandbox:
-    """A stand-in for sandbox.run_python that returns a fixed result and records the code."""
-
-    def __init__(self, stdout: str, status: sandbox.ExitStatus = sandbox.ExitStatus.OK) -> None:
-        self.stdout, self.status = stdout, status
-        self.calls: list[str] = []
-
-    def __call__(
-        self, code: str, limits: sandbox.SandboxLimits | None = None
-    ) -> sandbox.SandboxResult:
-        self.calls.append(code)
-        return sandbox.SandboxResult(self.status, self.stdout, "", 0, 0.01)
 
 
 # -- the MAS workflow ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from atgrpo.envs.sudoku import (
     is_solution,
     parse_answer,
 )
+from conftest import FakeSandbox
 
 # Solution        Puzzle (8 blanks)
 # 1 2 3 4         1 . 3 .
@@ -58,20 +59,6 @@ def grid_action(grid: tuple[int, ...]) -> SudokuAction:
     action = parse_answer("Grid:\n" + format_grid(grid, 4), 4)
     assert action is not None and action.from_grid
     return action
-
-
-class FakeSandbox:
-    """A stand-in for sandbox.run_python that returns a fixed result and records the code."""
-
-    def __init__(self, stdout: str, status: sandbox.ExitStatus = sandbox.ExitStatus.OK) -> None:
-        self.stdout, self.status = stdout, status
-        self.calls: list[str] = []
-
-    def __call__(
-        self, code: str, limits: sandbox.SandboxLimits | None = None
-    ) -> sandbox.SandboxResult:
-        self.calls.append(code)
-        return sandbox.SandboxResult(self.status, self.stdout, "", 0, 0.01)
 
 
 # -- solver and generator -------------------------------------------------------------------------
