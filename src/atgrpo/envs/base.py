@@ -20,10 +20,11 @@ The turn order of roles, the number of turns and the termination rule are data (
 from __future__ import annotations
 
 import copy
+import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, runtime_checkable
 
-from atgrpo.envs.splits import Split
+from atgrpo.envs.splits import SEED_RANGES, Split
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
 
@@ -170,6 +171,13 @@ class TurnBasedEnv:
     def clone(self) -> Self:
         """A deep copy; immutable task data may opt out with ``__deepcopy__`` returning self."""
         return copy.deepcopy(self)
+
+    @staticmethod
+    def _seed_or_random(seed: int | None, split: Split) -> int:
+        """``seed``, or a fresh random seed when it is None (the split is decided by content)."""
+        if seed is None:
+            return random.SystemRandom().randrange(len(SEED_RANGES[split]))
+        return seed
 
     @staticmethod
     def _split_option(options: dict[str, Any] | None) -> Split:

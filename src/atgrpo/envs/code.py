@@ -46,7 +46,6 @@ from __future__ import annotations
 import ast
 import enum
 import math
-import random
 import re
 from dataclasses import dataclass
 from typing import Any, Literal, Self
@@ -69,7 +68,7 @@ from atgrpo.data.code import (
 )
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.parsing import extract_code, without_surrogates
-from atgrpo.envs.splits import SEED_RANGES, Split
+from atgrpo.envs.splits import Split
 
 CODER = "coder"
 TESTER = "tester"
@@ -336,8 +335,7 @@ class CodeEnv(TurnBasedEnv):
         ``seed=None`` draws a fresh random seed.
         """
         split = self._split_option(options)
-        if seed is None:
-            seed = random.SystemRandom().randrange(len(SEED_RANGES[split]))
+        seed = self._seed_or_random(seed, split)
         problems = self.dataset.problems(split)
         self.reset_to(problems[seed % len(problems)])
         self._seed, self._split = seed, split

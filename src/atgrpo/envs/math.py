@@ -15,7 +15,6 @@ problems or a local file.
 from __future__ import annotations
 
 import math
-import random
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -200,8 +199,7 @@ class MathEnv(TurnBasedEnv):
         split = self._split_option(options)
         problems = self.splits[split]
         seeds = SEED_RANGES[split]
-        if seed is None:
-            seed = random.SystemRandom().randrange(len(seeds))
+        seed = self._seed_or_random(seed, split)
         offset = seed - seeds.start if seed in seeds else seed
         self.reset_to(problems[offset % len(problems)])
         self._seed, self._split = seed, split

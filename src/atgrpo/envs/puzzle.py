@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import enum
 import math
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Self, TypeVar
@@ -54,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from atgrpo import sandbox
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.parsing import extract_code
-from atgrpo.envs.splits import SEED_RANGES, Split
+from atgrpo.envs.splits import Split
 
 TOOL = "tool"
 PLANNER = "planner"
@@ -229,8 +228,7 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         :mod:`atgrpo.envs.splits`). ``seed=None`` draws a fresh random seed.
         """
         split = self._split_option(options)
-        if seed is None:
-            seed = random.SystemRandom().randrange(len(SEED_RANGES[split]))
+        seed = self._seed_or_random(seed, split)
         self.reset_to(self.spec.generate(self.config, seed, split))
         self._seed, self._split = seed, split
 
