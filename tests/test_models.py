@@ -58,7 +58,11 @@ def test_default_model_prepares_and_generates() -> None:
         [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, tokenize=False
     )
     out = HFGenerator(model, tok).generate(
-        [tok(ids, add_special_tokens=False)["input_ids"]], max_new_tokens=8, temperature=None
+        [tok(ids, add_special_tokens=False)["input_ids"]],
+        max_new_tokens=8,
+        temperature=None,
+        top_k=0,
+        top_p=1.0,
     )
     assert out[0].text.strip()
 

@@ -100,6 +100,8 @@ class PolicyWorker:
         prompts: list[list[int]],
         max_new_tokens: int,
         temperature: float | None,
+        top_k: int,
+        top_p: float,
         rng_state: torch.Tensor,
     ) -> tuple[list[Generation], torch.Tensor]:
         """Sample from the driver's RNG stream; return the generations and the stream after."""
@@ -109,7 +111,11 @@ class PolicyWorker:
         if self.device.type == "cuda":
             torch.cuda.manual_seed(int(torch.randint(2**62, (1,))))
         generations = self.generators[policy_id].generate(
-            prompts, max_new_tokens=max_new_tokens, temperature=temperature
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
         )
         return generations, torch.get_rng_state()
 

@@ -10,10 +10,12 @@ from typing import Protocol
 class Generation:
     """One sampled response.
 
-    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the distribution that was
-    actually sampled (temperature applied; no top-k / top-p), so the PPO ratio at the first
-    update with unchanged weights is 1 (DESIGN.md, invariant 3). Greedy decoding leaves
-    ``logprobs`` empty.
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the processed distribution
+    it was drawn from: the logits divided by the temperature, then cut to the top-k tokens,
+    then to the top-p of those, renormalised (a sampled token always lies in the kept set, so
+    the value is finite). With top-k and top-p off that is the tempered softmax, so the PPO
+    ratio at the first update with unchanged weights is 1 (docs/algorithm.md). Greedy decoding
+    leaves ``logprobs`` empty.
     """
 
     token_ids: list[int]
@@ -29,8 +31,17 @@ class Generator(Protocol):
         *,
         max_new_tokens: int,
         temperature: float | None,
+        top_k: int,
+        top_p: float,
     ) -> list[Generation]:
-        """One response per prompt, in order; ``temperature=None`` decodes greedily."""
+        """One response per prompt, in order.
+
+        ``temperature=None`` decodes greedily (``top_k`` and ``top_p`` are then ignored).
+        Otherwise each token is drawn from the tempered distribution cut to the ``top_k`` most
+        likely tokens (0: off, the whole vocabulary), then to the smallest set of the most likely
+        remaining tokens whose probability reaches ``top_p`` (1.0: off), renormalised. Nothing
+        is taken from the model's own generation config.
+        """
         ...
 
     def sync_weights(self) -> None:

