@@ -103,6 +103,21 @@ def test_coder_local_reward_is_the_ground_truth_pass_rate_and_team_is_strict() -
     assert env.success and not env.done and env.agent_selection == TESTER
 
 
+def test_the_solution_is_shown_whole_by_default_and_cut_and_marked_past_the_limit() -> None:
+    long = "# " + "c" * 650 + "\n" + ADD  # a 690-character solution
+    env = env_on(ADD_PROBLEM)
+    env.step(block(long))
+    prompt = env.observe(TESTER)[1]["content"]
+    assert "The coder's solution:\n```python\n# " + "c" * 650 + "\n" in prompt
+    assert "print(a + b)" in prompt and "(cut)" not in prompt
+
+    small = env_on(ADD_PROBLEM, max_code_chars_shown=30)
+    small.step(block(long))
+    prompt = small.observe(TESTER)[1]["content"]
+    assert "The coder's solution:\n```python\n# " + "c" * 28 + "\n# ... (cut)\n```" in prompt
+    assert "print(a + b)" not in prompt
+
+
 def test_tester_reward_prefers_valid_tests() -> None:
     env = env_on(ADD_PROBLEM)
     env.step(block(ADD))

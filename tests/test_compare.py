@@ -26,7 +26,7 @@ from atgrpo.evaluate import EvalReport
 from atgrpo.train import train
 from conftest import REPO
 
-FAST = ["rollout.max_prompt_tokens=192", "rollout.max_new_tokens=8"]
+FAST = ["rollout.max_prompt_tokens=2048", "rollout.max_new_tokens=8"]
 
 
 def _cell(method: str, bench: str, success: float, **kw: object) -> Cell:

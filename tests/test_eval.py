@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from atgrpo import evaluate as evaluate_module
 from atgrpo.config import ConfigError, load_config
-from atgrpo.envs import Split, make_env, split_seeds
-from atgrpo.evaluate import evaluate, pass_at_k
+from atgrpo.envs import Split, StepOutcome, TurnBasedEnv, Workflow, make_env, split_seeds
+from atgrpo.evaluate import evaluate, held_out_tasks, pass_at_k
 from atgrpo.generation import Generation
 from conftest import REPO
 
-FAST = ["rollout.max_prompt_tokens=192", "rollout.max_new_tokens=8"]
+FAST = ["rollout.max_prompt_tokens=2048", "rollout.max_new_tokens=8"]
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,7 @@ class OracleGenerator:
         self.seen: Counter[bytes] = Counter()
         self.temperatures: list[float | None] = []
 
-    def generate(self, prompts, *, max_new_tokens, temperature):
+    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
         self.temperatures.append(temperature)
         out = []
         for p in prompts:
@@ -58,7 +59,8 @@ class OracleGenerator:
 
 
 def _encode(messages: list[dict[str, str]]) -> list[int]:
-    return list(messages[-1]["content"].encode())
+    # The whole conversation: with primed answers the last message is the same for every task.
+    return list("\n".join(m["content"] for m in messages).encode())
 
 
 def _oracle(cfg, solves: list[int]) -> OracleGenerator:
@@ -91,6 +93,7 @@ def test_greedy_evaluation_when_n_is_one() -> None:
     report = _evaluate(cfg, gen, 3)
     assert set(gen.temperatures) == {None}  # greedy
     assert report.num_tasks == 3 and report.samples_per_task == 1
+    assert report.requested_tasks == 3 and report.note == ""  # enough distinct tasks
     assert report.success_rate == pytest.approx(2 / 3)
     assert report.pass_at == {}
     assert "eval/pass@1" not in report.metrics()
@@ -143,3 +146,151 @@ def test_cli_evaluates_a_per_role_run_with_the_policies_swapped(
     # A config that does not match the checkpoint's policies is one clear line.
     assert main(["eval", str(REPO / "configs" / "tiny.yaml"), "--checkpoint", run]) == 2
     assert "has no policy 'shared' (it has: planner, tool)" in capsys.readouterr().out
+
+
+# -- every distinct task at most once ------------------------------------------------------------
+
+
+class FixedAnswer:
+    """A generator that gives one answer to every prompt and counts the prompts it sees."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.seen: Counter[bytes] = Counter()
+
+    def generate(self, prompts, *, max_new_tokens, temperature, **_):
+        self.seen.update(bytes(p) for p in prompts)
+        logprobs = [-1.0] if temperature else []
+        return [Generation([65], logprobs, self.text, finished=True) for _ in prompts]
+
+
+def _run(cfg, gen: FixedAnswer, agent: str, num_tasks: int):
+    with ThreadPoolExecutor(2) as pool:
+        return evaluate(
+            cfg,
+            generators={"shared": gen},
+            policy_of={agent: "shared"},
+            encode=_encode,
+            split=Split.TEST,
+            num_tasks=num_tasks,
+            pool=pool,
+        )
+
+
+def _math_config(tmp_path: Path, overrides: list[str]):
+    """The math env, reasoner alone, on local files: 3 test problems."""
+    import json
+
+    def write(name: str, rows: list[tuple[str, str]]) -> Path:
+        path = tmp_path / f"{name}.jsonl"
+        lines = [json.dumps({"id": i, "question": q, "answer": a}) for i, (q, a) in enumerate(rows)]
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    train = write("train", [(f"What is {i} + 10?", str(i + 10)) for i in range(20)])
+    test = write(
+        "test", [("What is 1 + 1?", "2"), ("What is 2 + 2?", "4"), ("What is 3 * 3?", "9")]
+    )
+    data = [
+        "env.data.train=local",
+        f"env.data.train_path={train}",
+        "env.data.test=local",
+        f"env.data.test_path={test}",
+        "env.data.validation_percent=50",  # a validation split too, out of 20 problems
+    ]
+    env = ["env.name=math", "env.workflow=single", "env.max_turns=1"]
+    return load_config(None, [*env, *data, *overrides])
+
+
+def test_a_dataset_split_smaller_than_num_tasks_is_scored_once_per_task(tmp_path: Path) -> None:
+    pytest.importorskip("math_verify", reason="the math extra (math-verify) is not installed")
+    sampled = ["eval.samples_per_task=2", "eval.temperature=0.6", "eval.pass_k=[1]"]
+    cfg = _math_config(tmp_path, sampled)
+    envs, seeds, note = held_out_tasks(cfg, Split.TEST, 10)
+    keys = [env.instance_key for env in envs]  # type: ignore[attr-defined]
+    assert sorted(keys) == [f"local:test/{i}" for i in range(3)]  # each problem once
+    assert seeds == split_seeds(Split.TEST, 3)  # the walk stops at the split's size
+    assert note == "eval: test split has 3 distinct tasks; asked 10, evaluating 3"
+
+    gen = FixedAnswer("\\boxed{2}")  # right on "1 + 1" only
+    report = _run(cfg, gen, "reasoner", 10)
+    assert report.num_tasks == 3 and report.requested_tasks == 10 and report.note == note
+    assert len(gen.seen) == 3 and sorted(gen.seen.values()) == [2, 2, 2]  # n = 2 per task
+    assert report.success_rate == pytest.approx(2 / 6)  # avg@2 over 3 tasks, not 10
+    assert report.pass_at == pytest.approx({1: 1 / 3, 2: 1 / 3})
+
+
+def test_a_small_generated_grid_gives_distinct_tasks_only() -> None:
+    # A 2x2 Plan-Path grid with one wall has 24 instances; 4 of them fall in the test split.
+    small = ["env.max_turns=1", "env.grid_size=2", "env.wall_ratio=0.25"]
+    cfg = load_config(REPO / "configs" / "tiny-single.yaml", small)
+    envs, seeds, note = held_out_tasks(cfg, Split.TEST, 10)
+    keys = [env.instance_key for env in envs]  # type: ignore[attr-defined]
+    assert len(keys) == len(set(keys)) == 4
+    assert len(set(seeds)) == 4
+    draws = evaluate_module.MAX_DRAWS_PER_TASK * 10
+    assert note == f"eval: {draws} seeds of the test split gave 4 distinct tasks; asked 10, " + (
+        "evaluating 4"
+    )
+
+    gen = FixedAnswer("Moves: U")
+    report = _run(cfg, gen, "planner", 10)
+    assert report.num_tasks == 4 and report.requested_tasks == 10
+    assert sorted(gen.seen.values()) == [1, 1, 1, 1]  # one greedy episode per distinct task
+
+
+class SeedEcho(TurnBasedEnv):
+    """One agent, one turn, and no ``instance_key``: each seed counts as a task of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(Workflow(name="echo", agents=("planner",), max_turns=1))
+
+    def reset(self, seed=None, options=None) -> None:
+        self._seed, self._split = seed, self._split_option(options)
+        self._start_episode()
+
+    def observe(self, agent_id: str) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"task {self._seed}"}]
+
+    def step(self, action: str) -> StepOutcome:
+        self._advance(task_over=True)
+        return StepOutcome(team_reward=1.0, local_reward=1.0, valid=True)
+
+    @property
+    def success(self) -> bool:
+        return self.done
+
+
+def test_an_env_without_instance_key_is_deduplicated_by_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(evaluate_module, "make_env", lambda _cfg: SeedEcho())
+    cfg = load_config(REPO / "configs" / "tiny-single.yaml")
+    envs, seeds, note = held_out_tasks(cfg, Split.TEST, 5)
+    assert seeds == split_seeds(Split.TEST, 5) and len(envs) == 5 and note == ""
+    report = _run(cfg, FixedAnswer("done"), "planner", 5)
+    assert report.num_tasks == 5 and report.success_rate == 1.0
+
+
+def test_num_tasks_must_be_positive() -> None:
+    cfg = load_config(REPO / "configs" / "tiny-single.yaml")
+    with pytest.raises(ValueError, match="num_tasks must be >= 1"):
+        held_out_tasks(cfg, Split.TEST, 0)
+
+
+def test_the_shortfall_note_is_printed_by_the_cli_and_kept_in_the_table(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from atgrpo.cli import _print_eval
+    from atgrpo.compare import Cell, markdown_table
+    from atgrpo.evaluate import EvalReport
+
+    note = "eval: test split has 30 distinct tasks; asked 100, evaluating 30"
+    report = EvalReport("test", 30, 0.5, 0.0, requested_tasks=100, note=note)
+    _print_eval("aime24", report)
+    out = capsys.readouterr().out
+    assert "on 30 test tasks" in out and note in out
+    md = markdown_table([Cell("Single agent", "AIME24", report, "", "configs/x.yaml")])
+    assert f"AIME24: {note}" in md
+    _print_eval("full", EvalReport("test", 30, 0.5, 0.0, requested_tasks=30))
+    assert "eval:" not in capsys.readouterr().out

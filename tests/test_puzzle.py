@@ -1,6 +1,7 @@
 """PuzzleEnv, generically: on a tiny "guess my number" puzzle defined here, the MAS tool step is
 scored on a copy, the planner's action is applied, dead and truncated episodes are not success,
-answers are primed, and check_env passes."""
+answers are primed, the planner sees the tool's program and output up to the configured limits
+(a 10x10 BFS whole by default), and check_env passes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from atgrpo import sandbox
 from atgrpo.envs import (
     Effect,
+    PlanPathConfig,
+    PlanPathEnv,
     PuzzleConfig,
     PuzzleEnv,
     PuzzleSpec,
@@ -251,6 +254,86 @@ def test_primed_answers_are_continued() -> None:
     assert run.calls == ["print(7)"]
     assert env.step(" 7").valid and env.success  # "Guess:" + " 7"
     assert guess_env().answer_prefix("planner") == ""
+
+
+BFS_TEMPLATE = """from collections import deque
+
+grid = [
+GRID
+]
+rows, cols = len(grid), len(grid[0])
+for r in range(rows):
+    for c in range(cols):
+        if grid[r][c] == "S":
+            start = (r, c)
+        elif grid[r][c] == "G":
+            goal = (r, c)
+moves = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+prev = {start: None}
+queue = deque([start])
+while queue:
+    cell = queue.popleft()
+    if cell == goal:
+        break
+    for name, (dr, dc) in moves.items():
+        r, c = cell[0] + dr, cell[1] + dc
+        if 0 <= r < rows and 0 <= c < cols and grid[r][c] != "#" and (r, c) not in prev:
+            prev[(r, c)] = (cell, name)
+            queue.append((r, c))
+path = []
+cell = goal
+while prev[cell] is not None:
+    cell, name = prev[cell]
+    path.append(name)
+print(" ".join(reversed(path)))
+"""
+
+
+def bfs_program(grid_rows: list[str]) -> str:
+    """A plain BFS over the board that prints its moves, as a tool agent would write it."""
+    return BFS_TEMPLATE.replace("GRID", "\n".join(f'    "{row}",' for row in grid_rows)).strip()
+
+
+@pytest.mark.filterwarnings("ignore::atgrpo.sandbox.SandboxWarning")
+def test_the_planner_sees_a_10x10_bfs_program_and_its_plan_whole_by_default() -> None:
+    env = PlanPathEnv(PlanPathConfig(grid_size=10, min_distance=12))
+    env.reset(seed=3, options={"split": "test"})
+    code = bfs_program(env.instance.rows())
+    assert len(code) > 900  # 982 characters: the default limit (1500) keeps some margin
+    out = env.step(f"```python\n{code}\n```")  # the real sandbox
+    assert out.valid and out.info["plan_reaches_goal"]
+    prompt = env.observe("planner")[1]["content"]
+    plan = " ".join(env.clone().puzzle.parse(out.info["stdout"], from_program=True) or [])
+    assert len(plan) >= 2 * 12 - 1
+    assert f"```python\n{code}\n```" in prompt and "(cut)" not in prompt
+    assert f"It printed: {plan}\n" in prompt
+
+
+def test_a_long_program_is_shown_whole_with_the_defaults_and_cut_with_a_small_limit() -> None:
+    code = "# " + "c" * 650 + "\nprint(7)"  # 661 characters
+    stdout = "7 " + "x " * 150  # 302 characters of output
+    env = guess_env()
+    with mock.patch.object(sandbox, "run_python", FakeSandbox(stdout)):
+        env.step(f"```python\n{code}\n```")
+    prompt = env.observe("planner")[1]["content"]
+    assert f"```python\n{code}\n```" in prompt and "(cut)" not in prompt
+    assert f"It printed: {' '.join(stdout.split())}\n" in prompt
+
+    small = guess_env(max_code_chars_shown=20, max_output_chars_shown=5)
+    with mock.patch.object(sandbox, "run_python", FakeSandbox(stdout)):
+        small.step(f"```python\n{code}\n```")
+    prompt = small.observe("planner")[1]["content"]
+    assert f"```python\n{code[:20]}\n# ... (cut)\n```" in prompt
+    assert "It printed: 7 x x ... (cut)\n" in prompt
+    assert "c" * 21 not in prompt
+
+
+def test_a_program_at_the_limit_is_not_marked_cut() -> None:
+    env = guess_env(max_code_chars_shown=len("print(7)"), max_output_chars_shown=1)
+    with mock.patch.object(sandbox, "run_python", FakeSandbox("7\n")):
+        env.step("```python\nprint(7)\n```")
+    prompt = env.observe("planner")[1]["content"]
+    assert "```python\nprint(7)\n```\nIt printed: 7\n" in prompt and "(cut)" not in prompt
 
 
 # -- splits, config, contract ---------------------------------------------------------------------

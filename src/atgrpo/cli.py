@@ -59,6 +59,8 @@ def _print_eval(title: str, report: object) -> None:
         + f" on {report.num_tasks} {report.split} tasks  (team return "
         f"{report.mean_team_return:+.3f}; valid-format rate {valid})"
     )
+    if report.note:  # fewer distinct tasks than asked for
+        console.print(f"[yellow]{escape(report.note)}[/]")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -119,7 +121,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from atgrpo import checkpoint as ckpt
     from atgrpo.envs import Split, make_env
     from atgrpo.policies import swapped_routing
-    from atgrpo.train import build_runtime, seed_everything
+    from atgrpo.runtime import build_runtime, seed_everything
 
     cfg = load_config(args.config, args.overrides)
     if args.swap:
@@ -160,6 +162,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"[{done}/{total}] {cell.benchmark} | {cell.method}: "
             f"success {cell.report.success_rate:.1%} on {cell.report.num_tasks} tasks"
         )
+        if cell.report.note:
+            console.print(f"  [yellow]{escape(cell.report.note)}[/]")
 
     cells = run_comparison(comparison, on_cell=on_cell)
     header, rows = table_rows(cells)

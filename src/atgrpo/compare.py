@@ -138,7 +138,7 @@ Evaluator = Callable[[Config, Path | None, Split], EvalReport]
 
 def evaluate_cell(cfg: Config, checkpoint: Path | None, split: Split) -> EvalReport:
     """Build the method's policies (from its checkpoint) and evaluate them on held-out tasks."""
-    from atgrpo.train import build_runtime, seed_everything
+    from atgrpo.runtime import build_runtime, seed_everything
 
     seed_everything(cfg.run.seed)
     rt = build_runtime(cfg, checkpoint)
@@ -210,6 +210,9 @@ def markdown_table(cells: list[Cell]) -> str:
         )
         + "; in parentheses the difference to the first row.",
     ]
+    # A benchmark with fewer distinct tasks than asked for says so (same tasks in every row).
+    notes = dict.fromkeys(f"{c.benchmark}: {c.report.note}" for c in cells if c.report.note)
+    lines += [f"\n{note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 

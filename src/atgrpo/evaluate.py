@@ -7,6 +7,11 @@ episodes) and the unbiased pass@k estimator of Chen et al. (2021, "Evaluating La
 Models Trained on Code", eq. 1) for each k in ``eval.pass_k`` and k = n, averaged over tasks.
 Sampling is seeded from ``run.seed`` inside a forked RNG, so every method compared on the same
 tasks sees the same random stream and training's RNG is left untouched.
+
+Every distinct task is scored at most once (:func:`held_out_tasks`): dataset envs wrap around
+their split and small generated puzzles repeat instances, so consecutive seeds are drawn until
+``num_tasks`` distinct instances are found or the split is exhausted; a shortfall is reported
+in :attr:`EvalReport.note`, never hidden.
 """
 
 from __future__ import annotations
@@ -16,14 +21,19 @@ from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 import torch
 
 from atgrpo.config import Config
-from atgrpo.envs import Split, make_env, split_seeds
+from atgrpo.envs import MultiAgentEnv, Split, make_env, split_seeds
 from atgrpo.generation import Generator
-from atgrpo.rollout import EnvStepper, PromptEncoder, RolloutSettings, collect_rollout
+from atgrpo.rollout import EnvStepper, PromptEncoder, collect_rollout
+from atgrpo.settings import eval_rollout_settings
+
+# Seeds drawn per requested task at most when the env cannot say how many instances its split
+# has (generated puzzles): a small grid may have fewer distinct instances than asked for.
+MAX_DRAWS_PER_TASK = 20
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -48,6 +58,8 @@ class EvalReport:
     mean_reward: dict[str, float] = field(default_factory=dict)  # per agent, mixed reward
     samples_per_task: int = 1  # n
     pass_at: dict[int, float] = field(default_factory=dict)  # k -> pass@k (n > 1 only)
+    requested_tasks: int | None = None  # tasks asked for; more than num_tasks on a short split
+    note: str = ""  # one line for the caller to print when fewer tasks than asked were scored
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {
@@ -65,6 +77,65 @@ class EvalReport:
         return out
 
 
+class HeldOutTasks(NamedTuple):
+    envs: list[MultiAgentEnv]  # reset, one per distinct task
+    seeds: list[int]  # the seed each env was reset with
+    note: str  # "" when num_tasks distinct tasks were found, else what was found instead
+
+
+def held_out_tasks(cfg: Config, split: Split, num_tasks: int) -> HeldOutTasks:
+    """Up to ``num_tasks`` distinct tasks of ``split``, reset on consecutive seeds of its range.
+
+    An env whose seed gives an ``instance_key`` already taken is skipped, so no task counts
+    twice. The walk stops at ``num_tasks`` distinct tasks, after ``env.num_instances(split)``
+    seeds when the env has that method and it returns a number (datasets: their seeds wrap
+    around the split), else after ``MAX_DRAWS_PER_TASK * num_tasks`` seeds (generated puzzles).
+    An env without ``instance_key`` is deduplicated by seed only, i.e. each seed is a new task.
+    """
+    if num_tasks < 1:
+        raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+    env = make_env(cfg.env)
+    size = _num_instances(env, split)
+    draws = size if size is not None else MAX_DRAWS_PER_TASK * num_tasks
+    envs: list[MultiAgentEnv] = []
+    seeds: list[int] = []
+    seen: set[object] = set()
+    for seed in split_seeds(split, draws):
+        env.reset(seed=seed, options={"split": split.value})
+        key = getattr(env, "instance_key", ("seed", seed))
+        if key in seen:
+            continue  # the same instance again: reuse this env for the next seed
+        seen.add(key)
+        envs.append(env)
+        seeds.append(seed)
+        if len(envs) == num_tasks:
+            break
+        env = make_env(cfg.env)
+    if not envs:
+        raise ValueError(f"the {split.value} split of env {cfg.env.name!r} has no tasks")
+    return HeldOutTasks(envs, seeds, _shortfall_note(split, num_tasks, len(envs), size, draws))
+
+
+def _num_instances(env: MultiAgentEnv, split: Split) -> int | None:
+    """The split's size when the env knows it (a dataset), else None (generated, unbounded)."""
+    count = getattr(env, "num_instances", None)
+    return None if count is None else count(split)
+
+
+def _shortfall_note(split: Split, asked: int, found: int, size: int | None, draws: int) -> str:
+    if found == asked:
+        return ""
+    if size is not None:
+        return (
+            f"eval: {split.value} split has {found} distinct tasks; "
+            f"asked {asked}, evaluating {found}"
+        )
+    return (
+        f"eval: {draws} seeds of the {split.value} split gave {found} distinct tasks; "
+        f"asked {asked}, evaluating {found}"
+    )
+
+
 def evaluate(
     cfg: Config,
     *,
@@ -76,28 +147,17 @@ def evaluate(
     stepper: EnvStepper | None = None,
     pool: ThreadPoolExecutor | None = None,
 ) -> EvalReport:
-    """Run ``num_tasks`` tasks of ``split`` (n times each) and score them strictly.
+    """Run up to ``num_tasks`` distinct tasks of ``split`` (n times each), score them strictly.
 
-    ``stepper`` (or ``pool``, short for a :class:`~atgrpo.rollout.ThreadStepper` on it) steps
-    the envs, as in :func:`~atgrpo.rollout.collect_rollout`.
+    The tasks are :func:`held_out_tasks`'s: when the split has fewer distinct tasks, all of them
+    run, ``EvalReport.num_tasks`` is the number scored (every rate divides by it) and
+    ``EvalReport.note`` says so, for the caller to print. ``stepper`` (or ``pool``, short for a
+    :class:`~atgrpo.rollout.ThreadStepper` on it) steps the envs, as in
+    :func:`~atgrpo.rollout.collect_rollout`.
     """
-    seeds = split_seeds(split, num_tasks)
-    envs: list[Any] = []
-    for seed in seeds:
-        env = make_env(cfg.env)
-        env.reset(seed=seed, options={"split": split.value})
-        envs.append(env)
-    agents = envs[0].possible_agents
-    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    envs, seeds, note = held_out_tasks(cfg, split, num_tasks)
     n = cfg.eval.samples_per_task
-    settings = RolloutSettings(
-        width=n,
-        tree=n == 1,  # n = 1: one greedy branch; n > 1: n independent sampled episodes
-        temperature=None if n == 1 else (cfg.eval.temperature or cfg.rollout.temperature),
-        max_new_tokens={a: cfg.rollout.max_new_tokens_per_agent.get(a, max_new) for a in agents},
-        alpha=cfg.algo.alpha,
-        local_weight=cfg.algo.local_weight,
-    )
+    settings = eval_rollout_settings(cfg, envs[0].possible_agents)
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
         rollout = collect_rollout(
@@ -129,4 +189,6 @@ def evaluate(
         mean_reward={a: sum(v) / len(v) for a, v in reward.items()},
         samples_per_task=n,
         pass_at={k: sum(pass_at_k(n, c, k) for c in solved) / len(solved) for k in ks},
+        requested_tasks=num_tasks,
+        note=note,
     )

@@ -73,7 +73,6 @@ from atgrpo.envs.splits import Split
 CODER = "coder"
 TESTER = "tester"
 CODE_PREFIX = "```python\n"  # the coder's primed answer
-MAX_CODE_CHARS_SHOWN = 3000  # of a solution, in prompts
 MAX_FIELD_CHARS_SHOWN = 300  # of a test's input / expected / actual output, in prompts
 MAX_FAILURES_SHOWN = 3  # failed tests listed in prompts
 MAX_TEST_CHARS = 4000  # a tester's input or output (or assert line) longer than this is dropped
@@ -145,6 +144,12 @@ class CodeConfig(BaseModel):
     )
     test_memory_mb: int = Field(
         default=1024, ge=64, description="Address-space limit of one test run."
+    )
+    max_code_chars_shown: int = Field(
+        default=3000,
+        ge=0,
+        description="Characters of the current solution the agents see; a longer one is cut "
+        "and marked '# ... (cut)'.",
     )
     prime_answers: bool = Field(
         default=False,
@@ -307,7 +312,8 @@ class CodeEnv(TurnBasedEnv):
         mas = self.config.workflow is CodeWorkflow.MAS
         agents = (CODER, TESTER) if mas else (CODER,)
         name = f"code_{self.config.workflow.value}"
-        super().__init__(Workflow(name=name, agents=agents, max_turns=self.config.max_turns))
+        defers = (TESTER,) if mas else ()  # tests inform the next solution, change no s*
+        super().__init__(Workflow(name, agents, self.config.max_turns, defers_team=defers))
         self.config.load_dataset()  # read, or fail, now rather than at the first reset
         self._problem: CodeProblem | None = None
         self._solution: str | None = None  # s*, the current solution
@@ -360,6 +366,10 @@ class CodeEnv(TurnBasedEnv):
     @property
     def instance_key(self) -> str:
         return self.problem.id
+
+    def num_instances(self, split: Split | str) -> int:
+        """Problems in ``split``: seeds past this many wrap around to the first problems."""
+        return len(self.dataset.problems(Split(split)))
 
     @property
     def solution(self) -> str | None:
@@ -537,8 +547,9 @@ class CodeEnv(TurnBasedEnv):
     def _solution_text(self, title: str) -> str:
         if self._solution is None:
             return f"{title}: none yet."
-        code = self._solution[:MAX_CODE_CHARS_SHOWN]
-        cut = "\n# ... (cut)" if len(self._solution) > MAX_CODE_CHARS_SHOWN else ""
+        limit = self.config.max_code_chars_shown
+        code = self._solution[:limit]
+        cut = "\n# ... (cut)" if len(self._solution) > limit else ""
         return f"{title}:\n```python\n{code}{cut}\n```"
 
     def _coder_progress(self) -> list[str]:

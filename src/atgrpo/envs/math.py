@@ -27,7 +27,7 @@ from atgrpo.data.mathcheck import MAX_ANSWER_CHARS, extract_boxed, verify
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.envs.parsing import extract_code, without_surrogates
 from atgrpo.envs.puzzle import WorkflowKind
-from atgrpo.envs.splits import SEED_RANGES
+from atgrpo.envs.splits import SEED_RANGES, Split
 
 TOOL = "tool"
 REASONER = "reasoner"
@@ -167,7 +167,8 @@ class MathEnv(TurnBasedEnv):
         self.config = config or MathConfig()
         agents = (TOOL, REASONER) if self.config.workflow is WorkflowKind.MAS else (REASONER,)
         name = f"math_{self.config.workflow.value}"
-        super().__init__(Workflow(name=name, agents=agents, max_turns=self.config.max_turns))
+        defers = (TOOL,) if TOOL in agents else ()  # the tool only advises the reasoner
+        super().__init__(Workflow(name, agents, self.config.max_turns, defers_team=defers))
         # Not kept when read by config: a pickled env (an env worker's) leaves the dataset out.
         self._splits = splits
         if splits is None:
@@ -225,6 +226,10 @@ class MathEnv(TurnBasedEnv):
     @property
     def instance_key(self) -> str:
         return self.problem.id
+
+    def num_instances(self, split: Split | str) -> int:
+        """Problems in ``split``: seeds past this many wrap around to the first problems."""
+        return len(self.splits[Split(split)])
 
     @property
     def success(self) -> bool:

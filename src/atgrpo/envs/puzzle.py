@@ -58,10 +58,7 @@ from atgrpo.envs.splits import Split
 TOOL = "tool"
 PLANNER = "planner"
 TOOL_PREFIX = "```python\n"  # the tool's primed answer: its program
-# How much of the tool's program and output the planner sees: the target model is tiny
-# (SmolLM2-135M), so prompts stay short.
-MAX_CODE_CHARS_SHOWN = 400
-MAX_OUTPUT_CHARS_SHOWN = 80
+CUT_MARK = "\n# ... (cut)"  # ends a program shown in part
 MAX_INFO_CHARS = 200  # stdout kept in StepOutcome.info
 # StepOutcome.info keys the env writes; a puzzle's Effect.info adds its own beside them.
 ENV_INFO_KEYS = frozenset({"agent_id", "parse_error", "program_status", "stdout", "solved", "dead"})
@@ -100,6 +97,25 @@ class PuzzleConfig(BaseModel):
     )
     sandbox_memory_mb: int = Field(
         default=512, ge=32, description="Address-space limit of the tool agent's program."
+    )
+    max_code_chars_shown: int = Field(
+        default=1500,
+        ge=0,
+        description=(
+            "Characters of the tool's program the planner sees; a longer one is cut and marked "
+            "'# ... (cut)'. A plain BFS over a 10x10 grid that prints its moves is about 1000 "
+            "characters (983 measured); tiny-model configs set 400 to keep prompts short."
+        ),
+    )
+    max_output_chars_shown: int = Field(
+        default=400,
+        ge=0,
+        description=(
+            "Characters of the program's output (whitespace collapsed) the planner sees; a "
+            "longer one is cut and marked ' ... (cut)'. That BFS prints a 22-move plan in 44 "
+            "characters (110 as a Python list); max_plan_length=100 moves take 200 (500 as a "
+            "list). Tiny-model configs set 80."
+        ),
     )
     prime_answers: bool = Field(
         default=False,
@@ -203,7 +219,8 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
     An agent's prompt: the spec's system line; a user message of ``puzzle.render()``, from the
     second turn on ``"Turn t of T. "`` + the last planner action's ``Effect.summary`` (or
     ``spec.unparsed_summary``), for the planner in ``mas`` the tool's program and output
-    (truncated), and the spec's instruction; with ``prime_answers`` a final assistant message
+    (cut to ``max_code_chars_shown`` / ``max_output_chars_shown``, the cut marked), and the
+    spec's instruction; with ``prime_answers`` a final assistant message
     (``TOOL_PREFIX`` / ``spec.planner_prefix``) that the completion continues.
     """
 
@@ -214,7 +231,8 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         self.spec = spec
         agents = (TOOL, PLANNER) if config.workflow is WorkflowKind.MAS else (PLANNER,)
         name = f"{spec.name}_{config.workflow.value}"
-        super().__init__(Workflow(name=name, agents=agents, max_turns=config.max_turns))
+        defers = (TOOL,) if TOOL in agents else ()  # the tool acts on a copy: advice only
+        super().__init__(Workflow(name, agents, config.max_turns, defers_team=defers))
         self._puzzle: PuzzleT | None = None
         self._tool_report: ToolReport | None = None  # this turn's, for the planner
         self._last_effect: Effect | None = None  # the previous planner's; None: unparseable
@@ -251,6 +269,11 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
     @property
     def instance_key(self) -> str:
         return self.puzzle.key
+
+    def num_instances(self, split: Split | str) -> int | None:
+        """None: instances are generated, so a split has no known size (a small grid may still
+        have few distinct ones; evaluation deduplicates by ``instance_key``)."""
+        return None
 
     @property
     def success(self) -> bool:
@@ -359,11 +382,17 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         report = self._tool_report
         if report is None or report.status == "no_code":
             return "The helper wrote no program."
-        code = report.code[:MAX_CODE_CHARS_SHOWN]
+        code = _cut(report.code, self.config.max_code_chars_shown, CUT_MARK)
         lines = [f"Helper program:\n```python\n{code}\n```"]
         if report.status != "ok":
             lines.append(f"It failed ({report.status}).")
         else:
-            output = " ".join(report.stdout.split())[:MAX_OUTPUT_CHARS_SHOWN]
+            output = " ".join(report.stdout.split())
+            output = _cut(output, self.config.max_output_chars_shown, " ... (cut)")
             lines.append(f"It printed: {output}" if output else "It printed nothing.")
         return "\n".join(lines)
+
+
+def _cut(text: str, limit: int, mark: str) -> str:
+    """The first ``limit`` characters of ``text``, plus ``mark`` when some were cut."""
+    return text if len(text) <= limit else text[:limit] + mark
