@@ -11,12 +11,15 @@ from atgrpo.advantage import (
     AdvantageScale,
     Grouping,
     GroupKey,
+    StdKind,
     assign_advantages,
     group_advantages,
     group_key,
     mix_reward,
+    trajectory_return,
 )
 from atgrpo.records import Sample
+from helpers import adv_settings
 
 AGENTS = ("coder", "tester")
 
@@ -84,9 +87,10 @@ def assert_advantages(samples: list[Sample], expected: dict[tuple[int, str, int]
 
 
 def test_mix_reward() -> None:
-    # 0.7 * 1.0 + 0.5 = 1.2
-    assert mix_reward(team=1.0, local=0.5, alpha=0.7) == pytest.approx(1.2)
-    assert mix_reward(team=1.0, local=0.5, alpha=0.0) == 0.5
+    # 0.7 * 1.0 + 1 * 0.5 = 1.2; alpha 0 is local only; alpha 1, local weight 0 team only
+    assert mix_reward(team=1.0, local=0.5, alpha=0.7, local_weight=1.0) == pytest.approx(1.2)
+    assert mix_reward(team=1.0, local=0.5, alpha=0.0, local_weight=1.0) == 0.5
+    assert mix_reward(team=1.0, local=0.5, alpha=1.0, local_weight=0.0) == 1.0
 
 
 def test_enums_are_strings() -> None:
@@ -112,7 +116,9 @@ def test_missing_key_raises(field: str) -> None:
     with pytest.raises(ValueError, match=f"no {field}"):
         group_key(s, Grouping.AGENT_TURN)
     with pytest.raises(ValueError, match=f"no {field}"):
-        assign_advantages([s, make_sample(0, "coder", 0, 1, 0.0)], Grouping.AGENT_TURN)
+        assign_advantages(
+            [s, make_sample(0, "coder", 0, 1, 0.0)], adv_settings(Grouping.AGENT_TURN)
+        )
 
 
 def test_missing_key_only_raises_where_needed() -> None:
@@ -134,7 +140,7 @@ def test_missing_key_only_raises_where_needed() -> None:
 
 def test_agent_turn_mean_scale() -> None:
     samples = batch()
-    stats = assign_advantages(samples, Grouping.AGENT_TURN, AdvantageScale.MEAN)
+    stats = assign_advantages(samples, adv_settings(Grouping.AGENT_TURN, AdvantageScale.MEAN))
     # Each group is the K=2 branches of one (task, agent, turn); advantage = r - mean.
     assert_advantages(
         samples,
@@ -157,7 +163,7 @@ def test_agent_turn_mean_scale() -> None:
 
 def test_agent_turn_std_scale() -> None:
     samples = batch()
-    assign_advantages(samples, Grouping.AGENT_TURN, AdvantageScale.STD, eps=1.0)
+    assign_advantages(samples, adv_settings(Grouping.AGENT_TURN, AdvantageScale.STD, eps=1.0))
     # K=2 group (a, b): population std = |a - b| / 2, so A = ±(|a-b|/2) / (|a-b|/2 + eps).
     # eps = 1 makes the eps visible: (1, 3): std 1 -> ±1/2; (0, 4): std 2 -> ±2/3;
     # (2, 0): std 1 -> ±1/2; (3, 7): std 2 -> ±2/3. Tied groups: 0.
@@ -178,7 +184,7 @@ def test_agent_turn_std_scale() -> None:
 
 def test_agent_grouping() -> None:
     samples = batch()
-    stats = assign_advantages(samples, Grouping.AGENT, AdvantageScale.MEAN)
+    stats = assign_advantages(samples, adv_settings(Grouping.AGENT, AdvantageScale.MEAN))
     # Key (task, agent) pools both turns: 4 samples per group, listed turn 0 then turn 1.
     assert_advantages(
         samples,
@@ -197,7 +203,7 @@ def test_agent_grouping() -> None:
     assert stats.zero_std_frac == 0.25  # only (1, coder)
 
     samples = batch()
-    assign_advantages(samples, Grouping.AGENT, AdvantageScale.STD, eps=0.0)
+    assign_advantages(samples, adv_settings(Grouping.AGENT, AdvantageScale.STD, eps=0.0))
     # (0, coder): (1, 3, 2, 2), mean 2, var = (1 + 1 + 0 + 0) / 4 = 0.5, std = 0.70711
     # -> (-1, 1, 0, 0) / 0.70711 = (-1.41421, 1.41421, 0, 0)
     got = advantages_by_key(samples)
@@ -207,7 +213,7 @@ def test_agent_grouping() -> None:
 
 def test_turn_grouping() -> None:
     samples = batch()
-    stats = assign_advantages(samples, Grouping.TURN, AdvantageScale.MEAN)
+    stats = assign_advantages(samples, adv_settings(Grouping.TURN, AdvantageScale.MEAN))
     # Key (task, turn) pools both agents: 4 samples per group.
     assert_advantages(
         samples,
@@ -228,7 +234,7 @@ def test_turn_grouping() -> None:
 
 def test_none_grouping_is_one_group() -> None:
     samples = batch()
-    stats = assign_advantages(samples, Grouping.NONE, AdvantageScale.MEAN)
+    stats = assign_advantages(samples, adv_settings(Grouping.NONE, AdvantageScale.MEAN))
     # Sum of all 16 rewards: task 0: 1+3+2+2+0+4+5+5 = 22; task 1: 1+1+1+1+2+0+3+7 = 16;
     # mean = 38 / 16 = 2.375.
     assert stats.num_groups == 1
@@ -238,7 +244,7 @@ def test_none_grouping_is_one_group() -> None:
 
 def test_trajectory_grouping_sums_rewards_per_trajectory() -> None:
     samples = batch()
-    stats = assign_advantages(samples, Grouping.TRAJECTORY, AdvantageScale.MEAN)
+    stats = assign_advantages(samples, adv_settings(Grouping.TRAJECTORY, AdvantageScale.MEAN))
     # Trajectory = (task, branch_idx); return = sum of its 4 samples' rewards.
     # task 0: branch 0: 1+2+0+5 = 8, branch 1: 3+2+4+5 = 14, mean 11 -> (-3, +3)
     # task 1: branch 0: 1+1+2+3 = 7, branch 1: 1+1+0+7 = 9, mean 8 -> (-1, +1)
@@ -259,7 +265,7 @@ def test_trajectory_grouping_std_three_trajectories_of_different_lengths() -> No
         make_sample(0, "tester", 0, 1, 3.0),  # return 5
         make_sample(0, "coder", 0, 2, 8.0),  # return 8
     ]
-    assign_advantages(samples, Grouping.TRAJECTORY, AdvantageScale.STD, eps=0.0)
+    assign_advantages(samples, adv_settings(Grouping.TRAJECTORY, AdvantageScale.STD, eps=0.0))
     # mean 5, population std = sqrt((9 + 0 + 9) / 3) = sqrt(6) = 2.44949
     # -> (-3, 0, 3) / 2.44949 = (-1.22474, 0, 1.22474)
     a = 3 / math.sqrt(6)
@@ -272,7 +278,7 @@ def test_trajectory_grouping_tied_returns_are_zero() -> None:
         make_sample(0, "coder", 1, 0, 2.0),  # return 3
         make_sample(0, "coder", 0, 1, 3.0),  # return 3
     ]
-    stats = assign_advantages(samples, Grouping.TRAJECTORY)
+    stats = assign_advantages(samples, adv_settings(Grouping.TRAJECTORY))
     assert [s.advantage for s in samples] == [0.0, 0.0, 0.0]
     assert stats.zero_std_frac == 1.0
 
@@ -284,7 +290,12 @@ def test_group_advantages_tensor() -> None:
     # group 0: mean 3 -> (-2, 0, 2); group 1: tied; group 2: singleton
     assert adv.tolist() == pytest.approx([-2.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0])
     adv = group_advantages(rewards, groups, AdvantageScale.STD, eps=0.0)
-    # group 0: std = sqrt((4 + 0 + 4) / 3) = 1.63299 -> (-1.22474, 0, 1.22474)
+    # the default std is unbiased, as torch.std, the reference and verl:
+    # group 0: std = sqrt((4 + 0 + 4) / 2) = 2 -> (-1, 0, 1)
+    assert adv.tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert float(rewards[:3].std()) == 2.0
+    adv = group_advantages(rewards, groups, AdvantageScale.STD, eps=0.0, std=StdKind.POPULATION)
+    # population: std = sqrt((4 + 0 + 4) / 3) = 1.63299 -> (-1.22474, 0, 1.22474)
     a = 2 / math.sqrt(8 / 3)
     assert adv.tolist() == pytest.approx([-a, 0.0, a, 0.0, 0.0, 0.0, 0.0])
     assert adv.dtype == torch.float32
@@ -300,7 +311,7 @@ def test_zero_variance_and_singleton_groups_are_exactly_zero() -> None:
         assert adv.tolist() == [0.0, 0.0, 0.0, 0.0]
 
     singleton = [make_sample(0, "coder", 0, 0, 5.0)]
-    stats = assign_advantages(singleton, Grouping.AGENT_TURN)
+    stats = assign_advantages(singleton, adv_settings(Grouping.AGENT_TURN))
     assert singleton[0].advantage == 0.0
     assert stats.zero_std_frac == 1.0
 
@@ -315,19 +326,23 @@ def test_group_advantages_rejects_bad_input() -> None:
 
 
 def test_empty_batch() -> None:
-    stats = assign_advantages([], Grouping.AGENT_TURN)
+    stats = assign_advantages([], adv_settings(Grouping.AGENT_TURN))
     assert stats.num_groups == 0
 
 
 def test_require_identical_prompts() -> None:
     samples = batch()
-    assign_advantages(samples, Grouping.AGENT_TURN, require_identical_prompts=True)  # passes
+    assign_advantages(
+        samples, adv_settings(Grouping.AGENT_TURN), require_identical_prompts=True
+    )  # passes
 
     samples[3].prompt_ids = [*samples[3].prompt_ids, 7]  # (0, coder, 1) branch 1
     with pytest.raises(ValueError, match=r"GroupKey\(task_id=0, agent_id='coder', turn_idx=1\)"):
-        assign_advantages(samples, Grouping.AGENT_TURN, require_identical_prompts=True)
+        assign_advantages(
+            samples, adv_settings(Grouping.AGENT_TURN), require_identical_prompts=True
+        )
     # Off by default: the same batch is accepted.
-    assign_advantages(samples, Grouping.AGENT_TURN)
+    assign_advantages(samples, adv_settings(Grouping.AGENT_TURN))
 
 
 def test_require_identical_prompts_catches_merged_prompts() -> None:
@@ -336,11 +351,11 @@ def test_require_identical_prompts_catches_merged_prompts() -> None:
     a = make_sample(0, "coder", 0, 0, 1.0, prompt_ids=[1, 2, 3])
     b = make_sample(0, "coder", 0, 1, 0.0, prompt_ids=[4, 5, 6])
     with pytest.raises(ValueError, match="different prompts"):
-        assign_advantages([a, b], Grouping.AGENT_TURN, require_identical_prompts=True)
+        assign_advantages([a, b], adv_settings(Grouping.AGENT_TURN), require_identical_prompts=True)
 
 
 def test_stats_metrics_are_namespaced() -> None:
-    stats = assign_advantages(batch(), Grouping.AGENT_TURN, AdvantageScale.MEAN)
+    stats = assign_advantages(batch(), adv_settings(Grouping.AGENT_TURN, AdvantageScale.MEAN))
     assert stats.metrics() == {
         "rollout/adv_groups": 8.0,
         "rollout/adv_zero_std_frac": 0.5,
@@ -354,3 +369,50 @@ def test_trajectory_mode_needs_branch_idx() -> None:
     with pytest.raises(ValueError, match="no branch_idx"):
         group_key(s, Grouping.TRAJECTORY)
     assert group_key(s, Grouping.AGENT_TURN) == GroupKey(0, "coder", 0)
+
+
+def _plan_path_trajectory(plans: list[str], branch: int) -> list[Sample]:
+    """A single-agent Plan-Path episode played with ``plans``, as trajectory ``branch``."""
+    from atgrpo.envs import PlanPathConfig, PlanPathEnv
+
+    env = PlanPathEnv(PlanPathConfig(grid_size=5, wall_ratio=0.0, workflow="single", max_turns=2))
+    env.reset(seed=3)
+    steps = []
+    for plan in plans:
+        turn, out = env.turn_idx, env.step(plan)
+        reward = mix_reward(out.team_reward, out.local_reward, alpha=0.7, local_weight=1.0)
+        s = make_sample(0, "coder", turn, branch, reward)
+        s.team_reward, s.local_reward = out.team_reward, out.local_reward
+        steps.append(s)
+    assert env.success
+    return steps
+
+
+def test_plain_grpo_never_pays_a_slow_solve_more_than_a_fast_one() -> None:
+    from atgrpo.envs import PlanPathConfig, PlanPathEnv
+
+    env = PlanPathEnv(PlanPathConfig(grid_size=5, wall_ratio=0.0, workflow="single", max_turns=2))
+    env.reset(seed=3)
+    moves = env.puzzle.oracle()
+    assert len(moves) >= 2
+    fast = _plan_path_trajectory([f"Moves: {' '.join(moves)}"], branch=0)  # solved in turn 1
+    slow = _plan_path_trajectory(
+        [f"Moves: {moves[0]}", f"Moves: {' '.join(moves[1:])}"], branch=1
+    )  # solved in turn 2
+    # Summing the mixed rewards would add the team standing of turn 1 on top (0.7 * phi):
+    assert sum(s.reward for s in slow) > sum(s.reward for s in fast)
+    # The return is alpha * final team + the local scores: equal here (same moves, same goal).
+    assert trajectory_return(fast, 0.7, 1.0) >= trajectory_return(slow, 0.7, 1.0)
+    samples = fast + slow
+    assign_advantages(samples, adv_settings(Grouping.TRAJECTORY, alpha=0.7, local_weight=1.0))
+    assert samples[0].advantage >= samples[-1].advantage
+
+
+def test_trajectory_return_is_final_team_plus_local_scores() -> None:
+    a, b = make_sample(0, "coder", 0, 0, 0.0), make_sample(0, "coder", 1, 0, 0.0)
+    a.team_reward, a.local_reward = 0.5, 0.5  # a standing of 0.5 after turn 1
+    b.team_reward, b.local_reward = 2.0, 1.5
+    # 0.7 * 2.0 + 1 * (0.5 + 1.5) = 3.4; the turn-1 standing does not count
+    assert trajectory_return([a, b], alpha=0.7, local_weight=1.0) == pytest.approx(3.4)
+    with pytest.raises(ValueError):
+        trajectory_return([], alpha=0.7, local_weight=1.0)

@@ -122,3 +122,19 @@ class StrayAgentSelection(PlanPathEnv):
 def test_check_env_catches_broken_envs(env_cls: type[PlanPathEnv], message: str) -> None:
     with pytest.raises(EnvCheckError, match=message):
         check_env(env_cls(single()), seeds=(0,))
+
+
+def test_check_env_catches_an_agent_that_claims_to_defer_but_moves_the_team() -> None:
+    import dataclasses
+
+    env = PlanPathEnv(PlanPathConfig(workflow=WorkflowKind.SINGLE, max_turns=2))
+    # The planner moves the agent, so its actions change the team reward: it cannot defer.
+    env.workflow = dataclasses.replace(env.workflow, defers_team=("planner",))
+    with pytest.raises(EnvCheckError, match="defers_team lists 'planner'"):
+        check_env(env, actions=("Moves: U", "Moves: D", "Moves: L", "Moves: R"))
+
+
+def test_the_mas_tool_defers_and_passes() -> None:
+    env = PlanPathEnv(PlanPathConfig(workflow=WorkflowKind.MAS, max_turns=2))
+    assert env.workflow.defers_team == ("tool",)
+    check_env(env, actions=('```python\nprint("U")\n```', '```python\nprint("R R")\n```', "x"))

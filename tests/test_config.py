@@ -37,6 +37,18 @@ def test_overrides_are_typed() -> None:
         ("rollout.num_generations=0", "invalid value for 'rollout.num_generations'"),
         ("train.steps=many", "invalid value for 'train.steps'"),
         ("nonsense", "not of the form key=value"),
+        # Range checks: these were accepted silently.
+        ("algo.alpha=-3", "invalid value for 'algo.alpha'"),
+        ("algo.alpha=1.5", "invalid value for 'algo.alpha'"),
+        ("algo.clip_low=5", "invalid value for 'algo.clip_low'"),
+        ("algo.clip_high=0", "invalid value for 'algo.clip_high'"),
+        ("rollout.num_generations=1", "invalid value for 'rollout.num_generations'"),
+        ("rollout.top_k=-1", "invalid value for 'rollout.top_k'"),
+        ("rollout.top_p=0", "invalid value for 'rollout.top_p'"),
+        ("rollout.top_p=1.5", "invalid value for 'rollout.top_p'"),
+        ("train.min_lr_ratio=2", "invalid value for 'train.min_lr_ratio'"),
+        ("algo.adv_std=sample", "invalid value for 'algo.adv_std'"),
+        ("algo.team_credit=later", "invalid value for 'algo.team_credit'"),
     ],
 )
 def test_bad_keys_and_values_fail_naming_the_key(override: str, message: str) -> None:
@@ -44,6 +56,30 @@ def test_bad_keys_and_values_fail_naming_the_key(override: str, message: str) ->
         load_config(REPO / "configs" / "tiny.yaml", [override])
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_k_of_one_is_refused_only_where_groups_would_be_singletons() -> None:
+    with pytest.raises(ConfigError, match="K = 1 gives every sample advantage 0"):
+        load_config(None, ["rollout.num_generations=1"])  # agent_turn
+    load_config(None, ["rollout.num_generations=1", "algo.grouping=agent"])  # pools the turns
+
+
+def test_truncated_importance_sampling_needs_trainer_old_logprobs() -> None:
+    with pytest.raises(ConfigError, match=r"algo\.tis_cap"):
+        load_config(None, ["algo.tis_cap=2", "algo.old_logprobs=rollout"])
+    assert load_config(None, ["algo.tis_cap=2"]).algo.tis_cap == 2.0
+
+
+def test_defaults_match_the_reference() -> None:
+    cfg = load_config(None)
+    assert (cfg.rollout.top_k, cfg.rollout.top_p) == (0, 1.0)  # sampling is not truncated
+    assert cfg.algo.adv_std == "unbiased"
+    assert (cfg.train.warmup_steps, cfg.train.schedule, cfg.train.min_lr_ratio) == (
+        10,
+        "cosine",
+        0.3,
+    )
+    assert cfg.algo.old_logprobs == "trainer" and cfg.algo.team_credit == "lookahead"
 
 
 def test_trajectory_grouping_needs_independent_sampling() -> None:

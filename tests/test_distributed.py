@@ -55,13 +55,14 @@ from atgrpo.records import Sample
 from atgrpo.train import train
 from atgrpo.update import UpdateSettings, ppo_update
 from conftest import REPO
+from helpers import UPDATE_DEFAULTS
 
 PER_ROLE = REPO / "configs" / "tiny-per_role.yaml"
 TINY = REPO / "configs" / "tiny.yaml"
 # Short prompts and answers: the same code paths in a few seconds; every sample is logged. Primed
 # answers make the tool's completion a program (```python ...), run in the sandbox.
 FAST = (
-    "rollout.max_prompt_tokens=192",
+    "rollout.max_prompt_tokens=2048",
     "rollout.max_new_tokens=8",
     "run.log_samples=2",
     "env.prime_answers=true",
@@ -239,7 +240,9 @@ def _batch(policy: Any) -> list[Sample]:
     for i, text in enumerate(["Moves?", "Where is the goal, planner?", "Go"]):
         prompt = tok(text, add_special_tokens=False)["input_ids"]
         n = 3 if i < 2 else 1
-        gens = engine.generate([prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0)
+        gens = engine.generate(
+            [prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0, top_k=0, top_p=1.0
+        )
         for k, g in enumerate(gens):
             samples.append(
                 Sample(i, i, "planner", 0, k, "shared", prompt, g.token_ids, g.logprobs,
@@ -267,7 +270,9 @@ def test_two_rank_gloo_update_equals_the_single_process_step(
         ],
     )
     # Micro-batches of 2: ranks of 4 and 3 samples run 2 micro-batches each, padded differently.
-    settings = UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0)
+    settings = UpdateSettings(
+        1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0, **UPDATE_DEFAULTS
+    )
     policy = build_policy(cfg)
     samples = _batch(policy)
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
@@ -390,7 +395,9 @@ class ThreadRanks:
 
 def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
     cfg = load_config(TINY, [f"run.output_dir={tmp_path}"])
-    settings = UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0)
+    settings = UpdateSettings(
+        1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0, **UPDATE_DEFAULTS
+    )
     single, ranks = build_policy(cfg), [build_policy(cfg), build_policy(cfg)]
     samples = _batch(single)
     want = ppo_update(single, samples, settings)

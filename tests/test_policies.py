@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from atgrpo import train as train_module
+from atgrpo import runtime as runtime_module
 from atgrpo.config import ConfigError, load_config
 from atgrpo.envs.base import StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.generation import Generation, HFGenerator
@@ -36,9 +36,12 @@ from atgrpo.rollout import RolloutSettings, collect_rollout
 from atgrpo.train import build_runtime, update_policies
 from atgrpo.update import UpdateSettings, ppo_update
 from conftest import REPO
+from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS
 
 CONFIGS = REPO / "configs"
-SETTINGS = UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 4, 1.0)
+SETTINGS = UpdateSettings(
+    1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 4, 1.0, **UPDATE_DEFAULTS
+)
 
 
 def _snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -54,7 +57,9 @@ def _samples(policy: Policy, agent_id: str, n: int = 4) -> list[Sample]:
     """n sampled responses of ``policy`` to one prompt, advantages +1 / -1."""
     prompt = policy.tokenizer("Moves?", add_special_tokens=False)["input_ids"]
     torch.manual_seed(0)
-    gens = PolicyGenerator(policy).generate([prompt] * n, max_new_tokens=6, temperature=1.0)
+    gens = PolicyGenerator(policy).generate(
+        [prompt] * n, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0
+    )
     return [
         Sample(
             task_id=0,
@@ -122,12 +127,15 @@ def test_l2_generation_uses_each_agents_adapter(lora_policies: dict[str, Policy]
     prompt = tool.tokenizer("Where is the goal?", add_special_tokens=False)["input_ids"]
 
     def greedy(policy: Policy) -> list[int]:
-        gen = PolicyGenerator(policy).generate([prompt], max_new_tokens=12, temperature=None)
+        gen = PolicyGenerator(policy).generate(
+            [prompt], max_new_tokens=12, temperature=None, top_k=0, top_p=1.0
+        )
         return gen[0].token_ids
 
     engine = HFGenerator(tool.model, tool.tokenizer)
     with tool.model.disable_adapter():
-        base = engine.generate([prompt], max_new_tokens=12, temperature=None)[0].token_ids
+        out = engine.generate([prompt], max_new_tokens=12, temperature=None, top_k=0, top_p=1.0)
+        base = out[0].token_ids
     assert greedy(tool) == greedy(planner) == base  # fresh adapters are zero updates (B = 0)
     with torch.no_grad():  # perturb the tool's adapter only
         gen = torch.Generator().manual_seed(1)
@@ -148,8 +156,9 @@ def test_l3_a_policy_without_samples_stays_bit_identical(tmp_path: Path) -> None
     try:
         tool, planner = rt.policies["tool"], rt.policies["planner"]
         assert tool.model is not planner.model
-        assert tool.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
-        assert planner.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+        # the peak learning rates (the schedule starts warming up from a tenth of them)
+        assert tool.optimizer.param_groups[0]["initial_lr"] == pytest.approx(1e-3)
+        assert planner.optimizer.param_groups[0]["initial_lr"] == pytest.approx(5e-4)
         assert planner.optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.01)
         before_tool, before_planner = _snapshot(tool.model), _snapshot(planner.model)
         stats = update_policies(rt, _samples(tool, "tool"))
@@ -193,7 +202,7 @@ class RecordingGenerator:
     def __init__(self) -> None:
         self.agents: list[str] = []
 
-    def generate(self, prompts, *, max_new_tokens, temperature):
+    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
         out = []
         for k, p in enumerate(prompts):
             self.agents.append(bytes(p).decode().split("|")[0])
@@ -214,8 +223,9 @@ def test_every_sample_reaches_the_policy_of_its_agent(monkeypatch: pytest.Monkey
         env.reset(seed=seed)
         envs.append(env)
     settings = RolloutSettings(
-        width=2, tree=True, temperature=1.0, max_new_tokens=dict.fromkeys("abc", 4), alpha=0.7
-    )
+        width=2, tree=True, temperature=1.0, max_new_tokens=dict.fromkeys("abc", 4), alpha=0.7,
+        **ROLLOUT_DEFAULTS,
+    )  # fmt: skip
     with ThreadPoolExecutor(2) as pool:
         rollout = collect_rollout(
             envs, [0, 1, 2], generators=gens, policy_of=policy_of, encode=_encode,
@@ -231,11 +241,11 @@ def test_every_sample_reaches_the_policy_of_its_agent(monkeypatch: pytest.Monkey
         seen[policy.policy_id] = samples
         return SimpleNamespace(skipped=not samples)
 
-    monkeypatch.setattr(train_module, "ppo_update", fake_update)
+    monkeypatch.setattr(runtime_module, "ppo_update", fake_update)
     cfg = load_config(None, ["algo.skip_zero_advantage=false"])
     policies = {pid: SimpleNamespace(policy_id=pid) for pid in ("p", "q")}
     rt = SimpleNamespace(
-        cfg=cfg, learners={pid: train_module.LocalLearner(p) for pid, p in policies.items()}
+        cfg=cfg, learners={pid: runtime_module.LocalLearner(p) for pid, p in policies.items()}
     )
     update_policies(rt, rollout.samples)  # type: ignore[arg-type]
     assert sorted(seen) == ["p", "q"]
@@ -313,7 +323,9 @@ def test_swapped_routing_exchanges_two_agents_policies() -> None:
 
 def test_l2_kl_reference_is_the_base_with_adapters_off(lora_policies: dict[str, Policy]) -> None:
     tool = lora_policies["tool"]
-    kl = UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.1, 0.0, 4, 1.0)
+    kl = UpdateSettings(
+        1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.1, 0.0, 4, 1.0, **UPDATE_DEFAULTS
+    )
     samples = _samples(tool, "tool")
     # A fresh adapter is a zero update (B = 0): the policy is its reference, KL = 0.
     assert ppo_update(tool, samples, kl).kl == pytest.approx(0.0, abs=1e-6)

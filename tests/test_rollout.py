@@ -18,6 +18,7 @@ from atgrpo.advantage import Grouping, assign_advantages
 from atgrpo.envs import PlanPathConfig, PlanPathEnv
 from atgrpo.generation import Generation
 from atgrpo.rollout import EnvStepper, RolloutSettings, ThreadStepper, collect_rollout
+from helpers import ROLLOUT_DEFAULTS, adv_settings
 
 
 class ScriptedGenerator:
@@ -27,7 +28,7 @@ class ScriptedGenerator:
         self.script = script
         self.calls: list[tuple[str, list[list[int]]]] = []
 
-    def generate(self, prompts, *, max_new_tokens, temperature):
+    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
         role = "tool" if self._is_tool(prompts[0]) else "planner"
         self.calls.append((role, prompts))
         texts = self.script[role]
@@ -66,6 +67,7 @@ def _run(envs, gen, width=3, tree=True, stepper: Callable[..., EnvStepper] | Non
         temperature=1.0,
         max_new_tokens={"tool": 64, "planner": 64},
         alpha=0.7,
+        **ROLLOUT_DEFAULTS,
     )
     with ThreadPoolExecutor(4) as pool:
         return collect_rollout(
@@ -87,7 +89,9 @@ def test_tree_groups_share_prompts_and_keep_the_best_branch() -> None:
     gen = ScriptedGenerator({"tool": PROGRAMS, "planner": PLANS})
     rollout = _run(_envs(3), gen, width=3)
     # Invariant 1: with agent_turn grouping every group holds K samples of one prompt.
-    assign_advantages(rollout.samples, Grouping.AGENT_TURN, require_identical_prompts=True)
+    assign_advantages(
+        rollout.samples, adv_settings(Grouping.AGENT_TURN), require_identical_prompts=True
+    )
     groups: dict[tuple[int, str, int], list] = {}
     for s in rollout.samples:
         groups.setdefault((s.task_id, s.agent_id, s.turn_idx), []).append(s)
@@ -135,7 +139,7 @@ def test_independent_sampling_runs_k_trajectories() -> None:
     assert {(s.task_id, s.branch_idx) for s in rollout.samples} == {
         (t, k) for t in range(2) for k in range(2)
     }
-    assign_advantages(rollout.samples, Grouping.TRAJECTORY)
+    assign_advantages(rollout.samples, adv_settings(Grouping.TRAJECTORY))
 
 
 class PicklingStepper:
@@ -174,7 +178,9 @@ def test_collect_rollout_takes_one_stepper() -> None:
     with ThreadPoolExecutor(1) as pool, pytest.raises(TypeError, match="exactly one"):
         collect_rollout(
             _envs(1), [0], generators={}, policy_of={}, encode=encode,
-            settings=RolloutSettings(1, True, 1.0, {}, 0.7),
+            settings=RolloutSettings(
+                1, True, 1.0, max_new_tokens={}, alpha=0.7, **ROLLOUT_DEFAULTS
+            ),
             stepper=ThreadStepper(pool), pool=pool,
         )  # fmt: skip
 
@@ -227,3 +233,76 @@ def test_hostile_tool_programs_do_not_crash_a_rollout(monkeypatch) -> None:
     assert all(not s.valid and s.local_reward == -cfg.format_penalty for s in tool)
     planner_prompt = bytes(t for t in gen.calls[-1][1][0] if t < 256).decode()
     assert "hunter2-secret" not in planner_prompt
+
+
+TOOL_MOVES = ("U", "D", "L", "R")
+
+
+class AdoptingGenerator:
+    """Tool branch k prints move k of U D L R; the planner answers what the tool printed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
+        out = []
+        for i, prompt in enumerate(prompts):
+            text = bytes(t for t in prompt if t < 256).decode()
+            if ScriptedGenerator._is_tool(prompt):
+                answer = f'```python\nprint("{TOOL_MOVES[i % 4]}")\n```'
+            else:
+                printed = text.rsplit("It printed: ", 1)[-1].split("\n")[0]
+                answer = f"Moves: {printed}"
+            out.append(Generation([1], [-1.0], answer, finished=True))
+        self.calls.append(("tool" if ScriptedGenerator._is_tool(prompts[0]) else "planner",
+                           len(prompts)))  # fmt: skip
+        return out
+
+
+def _team_only_rollout(lookahead: bool, gen: AdoptingGenerator):
+    settings = RolloutSettings(
+        width=4, tree=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens={"tool": 64, "planner": 64}, alpha=1.0, local_weight=0.0,
+        lookahead=lookahead,
+    )  # fmt: skip
+    envs = _envs(4)
+    with ThreadPoolExecutor(4) as pool:
+        return collect_rollout(
+            envs, list(range(4)), generators={"shared": gen},
+            policy_of={"tool": "shared", "planner": "shared"}, encode=encode,
+            settings=settings, pool=pool,
+        )  # fmt: skip
+
+
+def test_lookahead_credits_the_tool_with_the_team_outcome_its_program_leads_to() -> None:
+    # alpha = 1, local weight 0 (the paper's "global only"): the tool's reward is the team's.
+    gen = AdoptingGenerator()
+    rollout = _team_only_rollout(lookahead=True, gen=gen)
+    assign_advantages(rollout.samples, adv_settings(Grouping.AGENT_TURN, alpha=1.0, local_weight=0))
+    tool = [s for s in rollout.samples if s.agent_id == "tool"]
+    # A program printing a move towards the goal leads the adopting planner closer: its team
+    # term is higher than a program printing a move away, so tool groups carry signal.
+    assert any(s.advantage != 0.0 for s in tool)
+    for s in tool:
+        assert s.reward == s.team_reward  # 1 * team + 0 * local
+    # The cost: one planner call of B x K probes after each tool turn.
+    assert ("planner", 4 * 4) in gen.calls
+    assert rollout.lookahead_s > 0.0
+
+    # Without lookahead the tool's team term is the standing before the planner acts: equal
+    # across its K branches, so under alpha = 1 the tool never learns.
+    flat = _team_only_rollout(lookahead=False, gen=AdoptingGenerator())
+    assign_advantages(flat.samples, adv_settings(Grouping.AGENT_TURN, alpha=1.0, local_weight=0))
+    assert all(s.advantage == 0.0 for s in flat.samples if s.agent_id == "tool")
+
+
+def test_lookahead_probes_do_not_change_the_kept_state() -> None:
+    gen = AdoptingGenerator()
+    with_probes = _team_only_rollout(lookahead=True, gen=gen)
+    planner = [s for s in with_probes.samples if s.agent_id == "planner"]
+    # The planner's real group answers on the kept tool branch: K samples of one prompt.
+    by_group: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    for s in planner:
+        by_group.setdefault((s.task_id, s.turn_idx), set()).add(tuple(s.prompt_ids))
+    assert all(len(prompts) == 1 for prompts in by_group.values())
+    assert all(len([s for s in planner if (s.task_id, s.turn_idx) == k]) == 4 for k in by_group)

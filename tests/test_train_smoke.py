@@ -17,15 +17,16 @@ from atgrpo.records import Sample
 from atgrpo.train import train
 from atgrpo.update import UpdateSettings, ppo_update
 from conftest import REPO
+from helpers import UPDATE_DEFAULTS
 
 TINY = REPO / "configs" / "tiny.yaml"
 # Shorter prompts and answers than tiny.yaml: the same code paths, a few seconds per run.
-FAST = ("rollout.max_prompt_tokens=192", "rollout.max_new_tokens=8")
+FAST = ("rollout.max_prompt_tokens=2048", "rollout.max_new_tokens=8")
 
 
 def _cfg(tmp_path: Path, name: str, *extra: str):
-    # The tiny random model never writes a valid action, so every group has equal rewards;
-    # an entropy bonus and keeping zero-advantage samples make the update move the weights.
+    # The tiny random model rarely writes a valid action, so most groups have equal rewards;
+    # an entropy bonus and keeping zero-advantage samples make every step move the weights.
     return load_config(
         TINY,
         [
@@ -158,7 +159,9 @@ def _samples(policy, advantage: float, n: int = 4) -> list[Sample]:
     from atgrpo.generation import HFGenerator
 
     torch.manual_seed(0)
-    gens = HFGenerator(policy.model, tok).generate([prompt] * n, max_new_tokens=6, temperature=1.0)
+    gens = HFGenerator(policy.model, tok).generate(
+        [prompt] * n, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0
+    )
     return [
         Sample(
             0,
@@ -181,7 +184,19 @@ def _samples(policy, advantage: float, n: int = 4) -> list[Sample]:
 
 
 def _settings() -> UpdateSettings:
-    return UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 2, 1.0)
+    return UpdateSettings(
+        1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 2, 1.0, **UPDATE_DEFAULTS
+    )
+
+
+def test_tiny_config_as_shipped_changes_the_weights(tmp_path: Path) -> None:
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "run.name=shipped"])
+    before = {k: v.clone() for k, v in build_policy(cfg).model.state_dict().items()}
+    result = train(cfg)
+    assert any(m["loss/skipped"] == 0.0 for m in result.history)
+    assert any(m["rollout/adv_zero_std_frac"] < 1.0 for m in result.history)
+    after = _params(result.checkpoint / "policy-shared")
+    assert any(not torch.equal(before[k], after[k]) for k in after)
 
 
 def test_first_update_has_ratio_one_and_changes_weights(tmp_path: Path) -> None:

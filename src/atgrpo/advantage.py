@@ -38,13 +38,34 @@ class Grouping(enum.StrEnum):
 
 
 class AdvantageScale(enum.StrEnum):
-    STD = "std"  # (r - mean) / (std + eps), population std (ddof=0), as in GRPO
+    STD = "std"  # (r - mean) / (std + eps); the std is a StdKind
     MEAN = "mean"  # r - mean: no std division (avoids up-weighting near-tied groups)
 
 
-def mix_reward(team: float, local: float, alpha: float) -> float:
-    """r_i = alpha * r_team + r_local,i (PAPER.md, "Mixed rewards"; alpha = 0.7 in the paper)."""
-    return alpha * team + local
+class StdKind(enum.StrEnum):
+    UNBIASED = "unbiased"  # divides by n - 1: torch.std's default, the reference's and verl's
+    POPULATION = "population"  # divides by n
+
+
+def mix_reward(team: float, local: float, alpha: float, local_weight: float) -> float:
+    """r_i = alpha * r_team + local_weight * r_local,i: the one place rewards are mixed.
+
+    The paper's mix is alpha = 0.7, local_weight = 1; alpha = 1, local_weight = 0 is its
+    "global only" ablation and alpha = 0 its "local only" one (docs/algorithm.md, "Rewards").
+    """
+    return alpha * team + local_weight * local
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """How rewards become advantages; built from the config in one place (``atgrpo.settings``)."""
+
+    grouping: Grouping
+    scale: AdvantageScale
+    std: StdKind
+    eps: float
+    alpha: float  # the reward mix, for trajectory returns
+    local_weight: float
 
 
 @dataclass(frozen=True)
@@ -100,10 +121,12 @@ def group_advantages(
     group_index: torch.Tensor,  # (N,) long in [0, G)
     scale: AdvantageScale = AdvantageScale.STD,
     eps: float = 1e-6,
+    std: StdKind = StdKind.UNBIASED,
 ) -> torch.Tensor:  # (N,)
-    """Group-normalised advantages (PAPER.md, AT-GRPO step 2).
+    """Group-normalised advantages (docs/algorithm.md, "Advantages").
 
-    ``STD``: (r - mean_g) / (std_g + eps) with the population std; ``MEAN``: r - mean_g.
+    ``STD``: (r - mean_g) / (std_g + eps), the std unbiased (n - 1) or population (n) as
+    ``std`` says; ``MEAN``: r - mean_g.
     A group of one sample, or whose rewards are all equal, carries no signal ("Groups whose
     rewards are all equal carry no signal"): its advantages are exactly 0, not a rounding
     residue of r - mean.
@@ -116,11 +139,11 @@ def group_advantages(
         )
     if rewards.numel() == 0:
         return rewards.clone()
-    mean, std, degenerate = _group_moments(rewards, group_index)
+    mean, spread, degenerate = _group_moments(rewards, group_index, StdKind(std))
     r = rewards.double()  # float64: rewards are few and small, precision is free
     centred = r - mean[group_index]
     if scale is AdvantageScale.STD:
-        centred = centred / (std[group_index] + eps)
+        centred = centred / (spread[group_index] + eps)
     adv = torch.where(degenerate[group_index], torch.zeros_like(centred), centred)
     return adv.to(rewards.dtype)
 
@@ -128,6 +151,7 @@ def group_advantages(
 def _group_moments(
     rewards: torch.Tensor,  # (N,)
     group_index: torch.Tensor,  # (N,) long
+    std: StdKind = StdKind.UNBIASED,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # mean (G,), std (G,), degenerate (G,)
     if group_index.dtype != torch.long:
         raise ValueError(f"group_index must be torch.long, got {group_index.dtype}")
@@ -138,7 +162,9 @@ def _group_moments(
     zeros = torch.zeros(num_groups, dtype=torch.float64, device=r.device)
     count = zeros.index_add(0, group_index, torch.ones_like(r))  # (G,)
     mean = zeros.index_add(0, group_index, r) / count.clamp(min=1)
-    var = zeros.index_add(0, group_index, (r - mean[group_index]) ** 2) / count.clamp(min=1)
+    ddof = 1 if std is StdKind.UNBIASED else 0  # a singleton is degenerate either way
+    squares = zeros.index_add(0, group_index, (r - mean[group_index]) ** 2)
+    var = squares / (count - ddof).clamp(min=1)
     high = zeros.scatter_reduce(0, group_index, r, reduce="amax", include_self=False)
     low = zeros.scatter_reduce(0, group_index, r, reduce="amin", include_self=False)
     # Exact comparison on purpose: only truly tied groups are silenced. A singleton has
@@ -163,20 +189,19 @@ class AdvantageStats:
 
 def assign_advantages(
     samples: Sequence[Sample],
-    grouping: Grouping,
-    scale: AdvantageScale = AdvantageScale.STD,
-    eps: float = 1e-6,
+    settings: AdvantageSettings,
+    *,
     require_identical_prompts: bool = False,
 ) -> AdvantageStats:
     """Set ``sample.advantage`` for every sample, in place, and return group statistics.
 
-    In ``TRAJECTORY`` mode a trajectory is identified by (task_id, branch_idx), its return is the
-    sum of its samples' mixed rewards, returns are normalised across the K trajectories of a
-    task, and every sample of a trajectory gets its trajectory's advantage. In every other mode
-    the unit is the sample and its reward is ``sample.reward``.
+    In ``TRAJECTORY`` mode a trajectory is identified by (task_id, branch_idx), its return is
+    :func:`trajectory_return`, returns are normalised across the K trajectories of a task, and
+    every sample of a trajectory gets its trajectory's advantage. In every other mode the unit
+    is the sample and its reward is ``sample.reward``.
 
     With ``require_identical_prompts`` every group must hold byte-identical ``prompt_ids``
-    (DESIGN.md invariant 1); the trainer turns this on for agent_turn grouping with tree
+    (invariant 1 of docs/design.md); the trainer turns this on for agent_turn grouping with tree
     sampling. The check is literal, so it fails for the pooling modes (agent, turn, trajectory,
     none) whenever they mix prompts, which is what they do by design.
 
@@ -184,38 +209,27 @@ def assign_advantages(
         ValueError: a key field is missing, or a group holds differing prompts when
             ``require_identical_prompts`` is set (the message names the group key).
     """
-    grouping = Grouping(grouping)
+    grouping = Grouping(settings.grouping)
     if not samples:
         return AdvantageStats(num_groups=0, zero_std_frac=0.0, mean_abs_advantage=0.0)
     keys = [group_key(s, grouping) for s in samples]
     if require_identical_prompts:
         _check_identical_prompts(samples, keys)
-
-    # The unit that gets normalised: a sample, or a whole trajectory in TRAJECTORY mode.
-    unit_of: list[int]  # sample i -> unit index
-    unit_rewards: list[float]
-    unit_keys: list[GroupKey]
     if grouping is Grouping.TRAJECTORY:
-        trajectory_ids: dict[tuple[int, int], int] = {}
-        unit_of, unit_rewards, unit_keys = [], [], []
-        for s, key in zip(samples, keys, strict=True):
-            tid = trajectory_ids.setdefault((s.task_id, s.branch_idx), len(trajectory_ids))
-            if tid == len(unit_rewards):
-                unit_rewards.append(0.0)
-                unit_keys.append(key)
-            unit_rewards[tid] += s.reward  # return = sum of the mixed rewards
-            unit_of.append(tid)
-    else:
-        unit_of = list(range(len(samples)))
-        unit_rewards = [s.reward for s in samples]
-        unit_keys = keys
+        unit_of, unit_rewards, unit_keys = _trajectory_units(samples, keys, settings)
+    else:  # the unit that gets normalised is the sample
+        unit_of, unit_rewards, unit_keys = (
+            list(range(len(samples))),
+            [s.reward for s in samples],
+            keys,
+        )
 
     group_ids: dict[GroupKey, int] = {}
     group_index = torch.tensor(
         [group_ids.setdefault(k, len(group_ids)) for k in unit_keys], dtype=torch.long
     )  # (U,)
     rewards = torch.tensor(unit_rewards, dtype=torch.float64)  # (U,)
-    unit_adv = group_advantages(rewards, group_index, scale, eps)  # (U,)
+    unit_adv = group_advantages(rewards, group_index, settings.scale, settings.eps, settings.std)
     _, _, degenerate = _group_moments(rewards, group_index)
 
     adv = unit_adv[torch.tensor(unit_of, dtype=torch.long)]  # (N,)
@@ -226,6 +240,41 @@ def assign_advantages(
         zero_std_frac=float(degenerate.double().mean()),
         mean_abs_advantage=float(adv.abs().mean()),
     )
+
+
+def trajectory_return(steps: Sequence[Sample], alpha: float, local_weight: float) -> float:
+    """The plain-GRPO return of one trajectory (its samples in time order).
+
+    ``alpha * team_T + local_weight * sum_t local_t``: the team reward is a standing (a
+    potential), so only its final value counts, while the local rewards score each action
+    (progress made, a format penalty), so they add up. Up to the start state's team reward,
+    equal for all K trajectories of a task and removed by the group mean, this is the sum of
+    the per-step mixed increments ``alpha * (team_t - team_{t-1}) + local_weight * local_t``:
+    summing the standings instead would pay a slow solve more than a fast one.
+    """
+    if not steps:
+        raise ValueError("a trajectory has at least one step")
+    local = sum(s.local_reward for s in steps)
+    return mix_reward(steps[-1].team_reward, local, alpha, local_weight)
+
+
+def _trajectory_units(
+    samples: Sequence[Sample], keys: Sequence[GroupKey], settings: AdvantageSettings
+) -> tuple[list[int], list[float], list[GroupKey]]:
+    """sample -> trajectory index, each trajectory's return and group key (the task)."""
+    trajectory_ids: dict[tuple[int, int], int] = {}
+    unit_of: list[int] = []
+    members: list[list[Sample]] = []
+    unit_keys: list[GroupKey] = []
+    for s, key in zip(samples, keys, strict=True):  # samples come in time order
+        tid = trajectory_ids.setdefault((s.task_id, s.branch_idx), len(trajectory_ids))
+        if tid == len(members):
+            members.append([])
+            unit_keys.append(key)
+        members[tid].append(s)
+        unit_of.append(tid)
+    returns = [trajectory_return(m, settings.alpha, settings.local_weight) for m in members]
+    return unit_of, returns, unit_keys
 
 
 def _check_identical_prompts(samples: Sequence[Sample], keys: Sequence[GroupKey]) -> None:

@@ -17,9 +17,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from atgrpo.advantage import AdvantageScale, Grouping
+from atgrpo.advantage import AdvantageScale, Grouping, StdKind
 from atgrpo.envs import ENV_CONFIGS, EnvConfig, PlanPathConfig
-from atgrpo.loss import LossAggregation
+from atgrpo.loss import LossAggregation, OldLogprobs
 
 
 class ConfigError(ValueError):
@@ -41,6 +41,11 @@ class _Section(BaseModel):
 class Sampling(enum.StrEnum):
     TREE = "tree"  # K branches per agent per turn, greedy continuation from the best branch
     INDEPENDENT = "independent"  # K full trajectories per task
+
+
+class TeamCredit(enum.StrEnum):
+    LOOKAHEAD = "lookahead"  # a deferring agent's branch gets the team reward after the next reply
+    IMMEDIATE = "immediate"  # the team reward right after the action
 
 
 class Precision(enum.StrEnum):
@@ -115,12 +120,35 @@ class RolloutConfig(_Section):
     temperature: float = Field(
         1.0, gt=0.0, description="Sampling temperature; the loss uses the same tempered log-probs."
     )
+    top_k: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Sample from the k most likely tokens only; 0 = off (the full vocabulary). Never "
+            "read from the model's generation config; recorded log-probs are of the truncated, "
+            "renormalised distribution."
+        ),
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Nucleus sampling: the smallest set of tokens whose probability reaches top_p; "
+            "1 = off. Applied after top_k; log-probs as for top_k."
+        ),
+    )
     max_new_tokens: int = Field(96, ge=1, description="Cap on tokens of one response.")
     max_new_tokens_per_agent: dict[str, int] = Field(
         default_factory=dict, description="Per-agent override of max_new_tokens."
     )
     max_prompt_tokens: int = Field(
-        1024, ge=16, description="Prompts longer than this are cut from the left (oldest first)."
+        1024,
+        ge=16,
+        description=(
+            "Longer prompts drop their oldest history messages first; the system prompt and the "
+            "task (first user message) always stay, and a prompt still too long is an error."
+        ),
     )
     generation_batch_size: int = Field(
         0, ge=0, description="Cap on prompts per generate call; 0 = all K x B in one call."
@@ -142,7 +170,9 @@ class AlgoConfig(_Section):
     grouping: Grouping = Field(
         Grouping.AGENT_TURN, description="Group key for advantages; agent_turn is AT-GRPO."
     )
-    alpha: float = Field(0.7, description="Reward mix r = alpha * team + local (paper: 0.7).")
+    alpha: float = Field(
+        0.7, ge=0.0, le=1.0, description="Reward mix r = alpha * team + local (paper: 0.7)."
+    )
     local_weight: float = Field(
         1.0,
         ge=0.0,
@@ -154,16 +184,54 @@ class AlgoConfig(_Section):
     adv_scale: AdvantageScale = Field(
         AdvantageScale.STD, description="std: (r-mean)/(std+eps); mean: r-mean."
     )
+    adv_std: StdKind = Field(
+        StdKind.UNBIASED,
+        description=(
+            "The std of adv_scale=std: unbiased (divides by n-1, as the reference and verl) or "
+            "population (divides by n)."
+        ),
+    )
     adv_eps: float = Field(1e-6, gt=0.0, description="eps in the advantage denominator.")
-    clip_low: float = Field(0.2, ge=0.0, description="PPO clip: ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0.0, description="PPO clip: ratio <= 1 + clip_high.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.2, gt=0.0, description="PPO clip: ratio <= 1 + clip_high.")
     loss_aggregation: LossAggregation = Field(
         LossAggregation.TOKEN_MEAN, description="token_mean over the batch, or seq_mean."
     )
     kl_coef: float = Field(0.0, ge=0.0, description="KL to a frozen reference (0: none, no ref).")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
     skip_zero_advantage: bool = Field(
-        True, description="Leave samples with advantage 0 out of the update (no signal)."
+        True,
+        description=(
+            "Do not compute samples with advantage 0 in the update (a pure speed-up: the "
+            "normalisers still count them, and nothing is skipped when kl_coef or entropy_coef "
+            "is on)."
+        ),
+    )
+    old_logprobs: OldLogprobs = Field(
+        OldLogprobs.TRAINER,
+        description=(
+            "The 'old' log-probs of the PPO ratio. trainer: the update's own forward (detached), "
+            "so the ratio is exactly 1 at the update whatever the precision; rollout: the "
+            "sampler's. The sampler-vs-trainer gap is logged either way (loss/rollout_*)."
+        ),
+    )
+    tis_cap: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Truncated importance sampling: weigh each token's policy-gradient term by "
+            "min(p_trainer / p_rollout, tis_cap) to correct the sampler-vs-trainer mismatch; "
+            "0 = off. Needs old_logprobs=trainer."
+        ),
+    )
+    team_credit: TeamCredit = Field(
+        TeamCredit.LOOKAHEAD,
+        description=(
+            "lookahead: a branch of an agent whose action does not change the team reward by "
+            "itself (Workflow.defers_team: the tool agent, the tester) is credited with the "
+            "team reward after the next agent's response on it (one extra batched call); "
+            "immediate: the team reward right after the action."
+        ),
     )
 
 
@@ -172,8 +240,18 @@ class TrainConfig(_Section):
     lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (peak).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    schedule: Literal["constant", "cosine"] = Field("constant", description="LR schedule.")
+    warmup_steps: int = Field(
+        10, ge=0, description="Linear warm-up steps (the reference: 10), counted in train.steps."
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        "cosine", description="LR schedule after warm-up: constant, or cosine down to the floor."
+    )
+    min_lr_ratio: float = Field(
+        0.3,
+        ge=0.0,
+        le=1.0,
+        description="Cosine floor: the LR at train.steps as a share of the peak (reference: 0.3).",
+    )
     grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
     log_every: int = Field(1, ge=1, description="Steps between metric lines.")
@@ -362,6 +440,17 @@ class Config(_Section):
         if trajectory and self.rollout.sampling is not Sampling.INDEPENDENT:
             raise KeyedValueError(
                 "algo.grouping", "trajectory (plain GRPO) needs rollout.sampling=independent"
+            )
+        singleton = self.algo.grouping in (Grouping.AGENT_TURN, Grouping.TRAJECTORY)
+        if singleton and self.rollout.num_generations < 2:
+            raise KeyedValueError(
+                "rollout.num_generations",
+                f"{self.algo.grouping.value} grouping compares the K samples of a group: "
+                "K = 1 gives every sample advantage 0; use K >= 2",
+            )
+        if self.algo.tis_cap and self.algo.old_logprobs is OldLogprobs.ROLLOUT:
+            raise KeyedValueError(
+                "algo.tis_cap", "truncated importance sampling needs algo.old_logprobs=trainer"
             )
         if self.eval.samples_per_task > 1:
             for k in self.eval.pass_k:

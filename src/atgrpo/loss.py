@@ -1,7 +1,7 @@
 """PPO-clip policy loss over response tokens, with optional KL and entropy terms.
 
-PAPER.md, AT-GRPO step 4: a PPO-style clipped surrogate (clip 0.2), token-level averaging, no KL
-term in the reference configs; step 5: every (agent, turn) response is its own sequence and its
+docs/algorithm.md, "Loss": a PPO-style clipped surrogate (clip 0.2), token-level averaging, no
+KL term in the reference configs; every (agent, turn) response is its own sequence and its
 scalar advantage applies to all of its response tokens.
 
 Everything here is a pure function over tensors. Shapes: B sequences, T response positions,
@@ -11,6 +11,7 @@ V vocabulary; ``mask`` marks the real response tokens.
 from __future__ import annotations
 
 import enum
+import math
 from typing import NamedTuple
 
 import torch
@@ -26,6 +27,36 @@ class LossAggregation(enum.StrEnum):
     TOKEN_MEAN = "token_mean"
     # Mean over the tokens of each sequence, then over sequences: every response weighs the same.
     SEQ_MEAN = "seq_mean"
+
+
+class OldLogprobs(enum.StrEnum):
+    """Where the "old" log-probs of the PPO ratio come from (docs/algorithm.md, "Loss")."""
+
+    # The update's own forward, detached: the ratio is exactly 1 at the (single) update, whatever
+    # the numerics of the sampler; the sampler-vs-trainer gap is measured and, with tis_cap,
+    # corrected by truncated importance weights.
+    TRAINER = "trainer"
+    ROLLOUT = "rollout"  # the log-probs the sampler recorded
+
+
+def truncated_is_weights(
+    trainer_logprobs: torch.Tensor,  # (B, T) detached
+    rollout_logprobs: torch.Tensor,  # (B, T)
+    mask: torch.Tensor,  # (B, T)
+    cap: float,
+) -> torch.Tensor:  # (B, T), 1 on padding
+    """min(p_trainer / p_rollout, cap) per token: truncated importance sampling.
+
+    The tokens were drawn from the sampler's distribution (p_rollout), which differs from the
+    trainer's by numerics (bf16 KV-cache generation, another engine); weighing each token's
+    policy-gradient term by this ratio, truncated at ``cap`` to bound the variance, corrects
+    the expectation to the trainer's distribution (TIS, as in current GRPO stacks).
+    """
+    if not cap > 0:
+        raise ValueError(f"the importance-weight cap must be > 0, got {cap}")
+    m = mask.bool()
+    log_w = torch.where(m, trainer_logprobs - rollout_logprobs, torch.zeros_like(trainer_logprobs))
+    return log_w.clamp(max=math.log(cap)).exp().detach()
 
 
 class LossOutput(NamedTuple):
@@ -46,8 +77,8 @@ def token_logprobs(
     """log p(target) under softmax(logits / temperature), in float32.
 
     The temperature must be the rollout's: the ratio compares the distribution that was sampled
-    (DESIGN.md invariant 3; the reference implementation sampled at one temperature and scored
-    at another).
+    (invariant 3 of docs/design.md; the reference implementation sampled at one temperature and
+    scored at another).
     """
     _check_temperature(temperature)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
@@ -83,14 +114,15 @@ def ppo_clip_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,  # (B, T), e.g. entropy_from_logits(...)
     entropy_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,  # (B, T) detached, e.g. truncated_is_weights(...)
     num_tokens: int | None = None,
     num_seqs: int | None = None,
 ) -> LossOutput:
-    """PPO clipped surrogate (PAPER.md, AT-GRPO step 4) with optional KL and entropy terms.
+    """PPO clipped surrogate (docs/algorithm.md, "Loss") with optional KL and entropy terms.
 
     Per token, with ratio = exp(logprobs - old_logprobs)::
 
-        pg = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
+        pg = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)   (* w with is_weights)
         kl = exp(ref - lp) - (ref - lp) - 1          (k3 estimator, >= 0)
         loss_tok = pg + kl_coef * kl - entropy_coef * entropy
 
@@ -105,6 +137,8 @@ def ppo_clip_loss(
     """
     aggregation = LossAggregation(aggregation)
     _check_shapes(logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
+    if is_weights is not None:
+        _check_shapes(logprobs, is_weights=is_weights)
     if entropy is not None:
         _check_shapes(logprobs, entropy=entropy)
     if kl_coef != 0.0 and ref_logprobs is None:
@@ -129,6 +163,8 @@ def ppo_clip_loss(
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     pg_tok = -torch.min(unclipped, clipped)  # (B, T)
+    if is_weights is not None:
+        pg_tok = pg_tok * torch.where(m, is_weights.to(pg_tok.dtype), zero)
     per_token = pg_tok
 
     kl_tok = torch.zeros_like(pg_tok)

@@ -17,6 +17,7 @@ Mixed maps (three agents on two policies, an adapter next to a whole model) use 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -34,7 +35,6 @@ from atgrpo.config import (
     Precision,
     RolloutEngine,
 )
-from atgrpo.envs.base import Message
 from atgrpo.generation import (
     Generation,
     Generator,
@@ -45,6 +45,7 @@ from atgrpo.generation import (
 )
 from atgrpo.generation.vllm import require_vllm
 from atgrpo.models import ModelError, bf16_supported, load_model, resolve_model_path
+from atgrpo.prompts import PromptEncoder
 from atgrpo.records import Sample
 
 __all__ = [
@@ -96,10 +97,22 @@ class PolicyGenerator:
         )
 
     def generate(
-        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float | None,
+        top_k: int,
+        top_p: float,
     ) -> list[Generation]:
         self.policy.activate()  # one call per adapter group: every prompt here is this policy's
-        return self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+        return self.engine.generate(
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
 
     def sync_weights(self) -> None:
         """Nothing to do: the HF engine samples from the training model itself."""
@@ -238,16 +251,21 @@ def autocast_dtype_for(precision: Precision) -> torch.dtype | None:
     return torch.bfloat16 if bf16_supported() else None
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, schedule: str) -> Any:
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "cosine" and total_steps > warmup_steps:
-            progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
+) -> float:
+    """The LR of training step ``step`` (0-based) as a share of the peak.
 
-    return factor
+    Linear warm-up over ``warmup_steps`` (step 0 gets 1 / warmup_steps), then constant or a
+    cosine from 1 down to ``min_lr_ratio`` at ``total_steps`` (the reference: 10 warm-up steps,
+    floor 0.3). The scheduler advances once per training step, updates skipped or not.
+    """
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "cosine" and total_steps > warmup_steps:
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
 
 
 def _policy(
@@ -269,9 +287,15 @@ def _policy(
             settings.weight_decay if settings.weight_decay is not None else cfg.train.weight_decay
         ),
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.train.warmup_steps, cfg.train.steps, cfg.train.schedule)
+    train = cfg.train
+    schedule = functools.partial(
+        lr_factor,
+        warmup_steps=train.warmup_steps,
+        total_steps=train.steps,
+        schedule=train.schedule,
+        min_lr_ratio=train.min_lr_ratio,
     )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return Policy(
         policy_id,
         model,
@@ -415,22 +439,11 @@ def build_policies(cfg: Config, weights: Mapping[str, Path] | None = None) -> di
     return {pid: built[pid] for pid in cfg.policies}
 
 
-def make_encoder(tokenizer: Any, max_prompt_tokens: int) -> Any:
-    """messages -> prompt token ids with the model's chat template, cut from the left.
+def make_encoder(tokenizer: Any, max_prompt_tokens: int) -> PromptEncoder:
+    """messages -> prompt token ids with the model's chat template (:mod:`atgrpo.prompts`).
 
-    A final ``assistant`` message is a primed answer prefix (e.g. ``"Moves:"``): the prompt ends
-    inside that message and the model continues it.
+    A prompt over ``max_prompt_tokens`` drops its oldest history messages first and keeps the
+    system prompt, the task and the current turn; one still too long raises
+    :class:`~atgrpo.prompts.PromptTooLongError`.
     """
-
-    def encode(messages: list[Message]) -> list[int]:
-        primed = bool(messages) and messages[-1]["role"] == "assistant"
-        text = tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=not primed,
-            continue_final_message=primed,
-            tokenize=False,
-        )
-        ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[-max_prompt_tokens:]
-
-    return encode
+    return PromptEncoder(tokenizer, max_prompt_tokens)

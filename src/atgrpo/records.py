@@ -21,9 +21,11 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # log-probs of response_ids under the *sampled* distribution
+    # The team term credited to this sample: the team reward after its action, or under
+    # lookahead credit (an agent of workflow.defers_team) after the next agent's response.
     team_reward: float
     local_reward: float
-    reward: float  # alpha * team_reward + local_weight * local_reward (local_weight 1 by default)
+    reward: float  # advantage.mix_reward(team_reward, local_reward, alpha, local_weight)
     valid: bool  # the completion parsed into a legal action
     kept: bool = False  # tree sampling: this branch was selected to continue the episode
     advantage: float = 0.0
@@ -54,3 +56,4 @@ class Rollout:
     episodes: list[EpisodeResult]
     # For reports: for each (task_id, agent_id, turn_idx) the branch that was kept.
     kept_branches: dict[tuple[int, str, int], int] = field(default_factory=dict)
+    lookahead_s: float = 0.0  # time spent crediting deferring agents (docs/algorithm.md)

@@ -1,10 +1,17 @@
 """Multi-agent rollouts: tree-structured and independent sampling -> :class:`Sample` records.
 
-Tree sampling (AT-GRPO, PAPER.md "Tree-structured sampling"): at every turn, for each agent in
-the workflow's turn order, every live task's agent samples K responses to the *same* prompt;
-each response is applied to its own copy of the task's env and scored with
-``alpha * team + local``; the K samples form one group and the best branch becomes the task's
-state, from which the next agent acts. Agents act sequentially on the kept state (invariant 2).
+Tree sampling (AT-GRPO; docs/algorithm.md, "Rollout"): at every turn, for each agent in the
+workflow's turn order, every live task's agent samples K responses to the *same* prompt; each
+response is applied to its own copy of the task's env and scored with
+``alpha * team + local_weight * local``; the K samples form one group and the best branch
+becomes the task's state, from which the next agent acts. Agents act sequentially on the kept
+state (invariant 2 of docs/design.md).
+
+Team credit: an agent of ``workflow.defers_team`` (the tool agent, the tester) never changes the
+team reward by itself, so its K branches would all get the team reward of the state before the
+next agent acts and the team term would never reach it. With ``settings.lookahead`` each of its
+branches is followed, on a probe copy, by one sampled response of the next agent (one extra
+batched call per turn), and the team reward after that response is the branch's team term.
 
 Independent sampling: K full trajectories per task, each with one sample per step; nothing is
 selected. Both are one loop over *slots*: tree mode has one slot per task and width K; independent
@@ -12,7 +19,7 @@ mode has K slots per task and width 1.
 
 All K samples of all live slots for one agent and turn go to the generator in one batched call:
 one call per (agent, turn), hence per policy (in L2, per adapter); the policy id of the agent
-is stamped on every sample, which is how the update routes it (DESIGN.md, invariant 4).
+is stamped on every sample, which is how the update routes it (invariant 4 of docs/design.md).
 
 The K branches of all slots are stepped by an :class:`EnvStepper` in one call per (agent, turn):
 :class:`ThreadStepper` steps them in place on this process's thread pool (their programs run in
@@ -23,14 +30,16 @@ stepper returns.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from atgrpo.advantage import mix_reward
 from atgrpo.envs import MultiAgentEnv, StepOutcome
 from atgrpo.envs.base import Message
-from atgrpo.generation import Generator
+from atgrpo.generation import Generation, Generator
 from atgrpo.records import EpisodeResult, Rollout, Sample
 
 PromptEncoder = Callable[[list[Message]], list[int]]
@@ -70,12 +79,19 @@ def _step(env: MultiAgentEnv, action: str) -> StepOutcome:
 
 @dataclass(frozen=True)
 class RolloutSettings:
+    """How one rollout samples; built from the config in one place (:mod:`atgrpo.settings`)."""
+
     width: int  # K for tree sampling, trajectories per task for independent sampling
     tree: bool
     temperature: float | None  # None: greedy (evaluation)
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
     max_new_tokens: dict[str, int]  # per agent
-    alpha: float
-    local_weight: float = 1.0  # r = alpha * team + local_weight * local
+    alpha: float  # r = alpha * team + local_weight * local (advantage.mix_reward)
+    local_weight: float
+    # Credit each branch of an agent in workflow.defers_team with the team reward after the
+    # next agent's response on it (docs/algorithm.md, "Team credit").
+    lookahead: bool
 
 
 @dataclass
@@ -119,6 +135,7 @@ def collect_rollout(
         width = 1
     samples: list[Sample] = []
     kept: dict[tuple[int, str, int], int] = {}
+    clock = {"lookahead_s": 0.0}
     while live := [s for s in slots if not s.env.done]:
         # Slots move in lock-step, but group by whose turn it is so that envs whose workflow
         # diverges (an early end, a variable turn order) still batch correctly.
@@ -128,14 +145,25 @@ def collect_rollout(
         for agent_id, group in by_agent.items():
             samples.extend(
                 _step_agent(
-                    agent_id, group, width, generators, policy_of, encode, settings, stepper, kept
+                    agent_id,
+                    group,
+                    width,
+                    generators,
+                    policy_of,
+                    encode,
+                    settings,
+                    stepper,
+                    kept,
+                    clock,
                 )
             )
     episodes = [
         EpisodeResult(s.task_id, s.seed, s.env.success, s.env.turn_idx, s.last_team_reward)
         for s in slots
     ]
-    return Rollout(samples=samples, episodes=episodes, kept_branches=kept)
+    return Rollout(
+        samples=samples, episodes=episodes, kept_branches=kept, lookahead_s=clock["lookahead_s"]
+    )
 
 
 def _one_stepper(stepper: EnvStepper | None, pool: ThreadPoolExecutor | None) -> EnvStepper:
@@ -156,26 +184,16 @@ def _step_agent(
     settings: RolloutSettings,
     stepper: EnvStepper,
     kept: dict[tuple[int, str, int], int],
+    clock: dict[str, float],
 ) -> list[Sample]:
     """One agent acts in every slot: K samples per slot, each on its own env copy."""
-    if agent_id not in policy_of:
-        raise KeyError(f"agent {agent_id!r} has no policy; known agents: {sorted(policy_of)}")
-    policy_id = policy_of[agent_id]
-    encoder = encode[policy_id] if isinstance(encode, Mapping) else encode
-    prompts = [encoder(slot.env.observe(agent_id)) for slot in slots]
-    batch = [p for p in prompts for _ in range(width)]  # (slots * K) prompts, K in a row
-    generations = generators[policy_id].generate(
-        batch,
-        max_new_tokens=settings.max_new_tokens[agent_id],
-        temperature=settings.temperature,
-    )
+    engine = _Engine(generators, policy_of, encode, settings)
+    prompts, generations = engine.sample(agent_id, [slot.env for slot in slots], width)
     copies = [slot.env.clone() for slot in slots for _ in range(width)]
-    branches, outcomes = stepper.step(copies, [g.text for g in generations])
-    if not len(branches) == len(outcomes) == len(copies):
-        raise RuntimeError(
-            f"the env stepper returned {len(branches)} envs and {len(outcomes)} outcomes for "
-            f"{len(copies)} actions"
-        )
+    branches, outcomes = _apply(stepper, copies, [g.text for g in generations])
+    t0 = time.perf_counter()
+    credit = _lookahead_team(engine, stepper, agent_id, branches) if settings.lookahead else {}
+    clock["lookahead_s"] += time.perf_counter() - t0
     samples: list[Sample] = []
     for i, slot in enumerate(slots):
         turn_idx = slot.env.turn_idx
@@ -183,7 +201,8 @@ def _step_agent(
         for k in range(width):
             j = i * width + k
             gen, out = generations[j], outcomes[j]
-            reward = settings.alpha * out.team_reward + settings.local_weight * out.local_reward
+            team = credit.get(j, out.team_reward)
+            reward = mix_reward(team, out.local_reward, settings.alpha, settings.local_weight)
             rewards.append(reward)
             samples.append(
                 Sample(
@@ -192,11 +211,11 @@ def _step_agent(
                     agent_id=agent_id,
                     turn_idx=turn_idx,
                     branch_idx=k if settings.tree else slot.trajectory,
-                    policy_id=policy_id,
+                    policy_id=policy_of[agent_id],
                     prompt_ids=prompts[i],
                     response_ids=gen.token_ids,
                     logprobs=gen.logprobs if gen.logprobs else [0.0] * len(gen.token_ids),
-                    team_reward=out.team_reward,
+                    team_reward=team,
                     local_reward=out.local_reward,
                     reward=reward,
                     valid=out.valid,
@@ -208,5 +227,85 @@ def _step_agent(
         if settings.tree:
             kept[(slot.task_id, agent_id, turn_idx)] = best
         slot.env = branches[i * width + best]
-        slot.last_team_reward = outcomes[i * width + best].team_reward
+        slot.last_team_reward = outcomes[i * width + best].team_reward  # the real state's
     return samples
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """Prompts in, responses out, for any agent: its policy's encoder and generator."""
+
+    generators: dict[str, Generator]
+    policy_of: dict[str, str]
+    encode: PromptEncoder | Mapping[str, PromptEncoder]
+    settings: RolloutSettings
+
+    def sample(
+        self, agent_id: str, envs: list[MultiAgentEnv], width: int
+    ) -> tuple[list[list[int]], list[Generation]]:
+        """``width`` responses of ``agent_id`` per env, K in a row, in one batched call."""
+        if agent_id not in self.policy_of:
+            raise KeyError(
+                f"agent {agent_id!r} has no policy; known agents: {sorted(self.policy_of)}"
+            )
+        policy_id = self.policy_of[agent_id]
+        encoder = self.encode[policy_id] if isinstance(self.encode, Mapping) else self.encode
+        prompts = [encoder(env.observe(agent_id)) for env in envs]
+        batch = [p for p in prompts for _ in range(width)]  # (envs * K) prompts, K in a row
+        s = self.settings
+        generations = self.generators[policy_id].generate(
+            batch,
+            max_new_tokens=s.max_new_tokens[agent_id],
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+        )
+        return prompts, generations
+
+
+def _apply(
+    stepper: EnvStepper, envs: list[MultiAgentEnv], actions: list[str]
+) -> tuple[list[MultiAgentEnv], list[StepOutcome]]:
+    stepped, outcomes = stepper.step(envs, actions)
+    if not len(stepped) == len(outcomes) == len(envs):
+        raise RuntimeError(
+            f"the env stepper returned {len(stepped)} envs and {len(outcomes)} outcomes for "
+            f"{len(envs)} actions"
+        )
+    return stepped, outcomes
+
+
+def _lookahead_team(
+    engine: _Engine, stepper: EnvStepper, agent_id: str, branches: list[MultiAgentEnv]
+) -> dict[int, float]:
+    """Branch index -> the team reward after the next agents' responses on a copy of it.
+
+    Only for an agent of ``workflow.defers_team`` (its action never changes the team reward by
+    itself) and a branch whose episode goes on: one sampled response of the next agent per
+    branch, on a probe copy, batched per agent; while that agent defers too, the next one
+    answers as well (at most one round of the turn order). The probes are thrown away: they
+    credit, they are not trained on, and the kept branch continues from its own state.
+    """
+    pending = {
+        j: env.clone()
+        for j, env in enumerate(branches)
+        if agent_id in env.workflow.defers_team and not env.done
+    }
+    credit: dict[int, float] = {}
+    for _ in range(len(branches[0].workflow.agents) if branches else 0):
+        if not pending:
+            break
+        by_agent: dict[str, list[int]] = {}
+        for j, env in pending.items():
+            by_agent.setdefault(env.agent_selection, []).append(j)
+        for next_agent, idx in by_agent.items():
+            _, generations = engine.sample(next_agent, [pending[j] for j in idx], 1)
+            stepped, outcomes = _apply(
+                stepper, [pending[j] for j in idx], [g.text for g in generations]
+            )
+            for j, env, out in zip(idx, stepped, outcomes, strict=True):
+                credit[j] = out.team_reward
+                pending[j] = env
+                if env.done or next_agent not in env.workflow.defers_team:
+                    del pending[j]
+    return credit

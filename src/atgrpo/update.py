@@ -1,10 +1,14 @@
 """One on-policy update of one policy from its own samples (PPO-clip, micro-batched).
 
 Sequences are laid out exactly as the rollout generated them: the prompt left-padded, the
-response after it, position ids counted from the first real token. So at the first update with
-unchanged weights the recomputed log-probs equal the sampled ones and the ratio is 1
-(DESIGN.md, invariant 3). Gradients accumulate over micro-batches with the batch's global
-token / sequence count as the normaliser, so the step equals one full-batch step.
+response after it, position ids counted from the first real token, so in fp32 the recomputed
+log-probs equal the sampled ones. Under bf16 autocast (or another engine) they do not quite: by
+default (``algo.old_logprobs: trainer``) the ratio's "old" log-probs are the update's own
+forward, detached, so the ratio is exactly 1 at the update (invariant 3 of docs/design.md); the
+sampler-vs-trainer gap is reported (``loss/rollout_*``) and, with ``algo.tis_cap``, corrected by
+truncated importance weights. Gradients accumulate over micro-batches with the whole batch's
+token / sequence count as the normaliser, so the step equals one full-batch step; leaving the
+zero-advantage samples out (``skip_zero_advantage``) changes neither (invariant 10).
 
 Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its
 worker group; each rank passes its shard and an ``all_reduce`` that sums a tensor over the
@@ -16,13 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from atgrpo.loss import LossAggregation, entropy_from_logits, ppo_clip_loss, token_logprobs
+from atgrpo.loss import (
+    LossAggregation,
+    LossOutput,
+    OldLogprobs,
+    entropy_from_logits,
+    ppo_clip_loss,
+    token_logprobs,
+    truncated_is_weights,
+)
 from atgrpo.policies import Policy
 from atgrpo.records import Sample
 
@@ -31,6 +45,8 @@ AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parall
 
 @dataclass(frozen=True)
 class UpdateSettings:
+    """How one policy update runs; built from the config in one place (:mod:`atgrpo.settings`)."""
+
     temperature: float  # the rollout's; log-probs are of the tempered distribution
     clip_low: float
     clip_high: float
@@ -39,6 +55,9 @@ class UpdateSettings:
     entropy_coef: float
     micro_batch_size: int
     grad_clip: float
+    skip_zero_advantage: bool  # a pure speed-up: normalisers count every sample
+    old_logprobs: OldLogprobs
+    tis_cap: float  # 0: no truncated importance weights
 
 
 @dataclass
@@ -104,7 +123,7 @@ def response_logits(model: Any, batch: Batch, autocast_dtype: torch.dtype | None
 class UpdateStats:
     skipped: bool  # no sample carried signal, or the loss / gradient was not finite
     reason: str
-    num_samples: int
+    num_samples: int  # every sample of the batch with a response (the normaliser's count)
     num_tokens: int
     loss: float = 0.0
     pg_loss: float = 0.0
@@ -114,13 +133,21 @@ class UpdateStats:
     ratio_mean: float = 1.0
     approx_kl: float = 0.0
     grad_norm: float = 0.0
+    # The sampler vs the trainer on the computed tokens: mean |log p_rollout - log p_trainer|,
+    # its max, and the k1 estimate of KL(rollout || trainer) (the tokens are the sampler's).
+    rollout_abs_diff: float = 0.0
+    rollout_max_abs_diff: float = 0.0
+    rollout_kl: float = 0.0
+    computed_samples: int = 0  # those with a forward and backward (skipping saves the rest)
 
     def metrics(self, prefix: str = "loss/") -> dict[str, float]:
-        keys = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl")
+        keys: tuple[str, ...] = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean")
+        keys += ("approx_kl",)
+        keys += ("grad_norm", "rollout_abs_diff", "rollout_max_abs_diff", "rollout_kl")
         out = {prefix + k: float(getattr(self, k)) for k in keys}
-        out[prefix + "grad_norm"] = self.grad_norm
         out[prefix + "skipped"] = float(self.skipped)
         out[prefix + "num_samples"] = float(self.num_samples)
+        out[prefix + "computed_samples"] = float(self.computed_samples)
         return out
 
 
@@ -144,103 +171,236 @@ def ppo_update(
     settings: UpdateSettings,
     all_reduce: AllReduce | None = None,
 ) -> UpdateStats:
-    """One optimizer step on ``samples`` (all of them produced by ``policy``).
+    """One training step of ``policy`` on ``samples`` (all of them produced by it).
 
     Only ``policy.params`` move: in L2 the policy's adapter is activated first and its optimizer
-    holds that adapter alone. With no samples nothing runs, so the policy stays bit-identical.
-    ``all_reduce`` (data-parallel ranks only): ``samples`` is this rank's shard; token and
-    sequence counts, gradients and statistics are summed over the ranks before the step.
+    holds that adapter alone. The LR schedule advances once per call, whether or not the
+    optimizer steps, so it follows ``train.steps``. When no sample carries signal (every
+    advantage 0 and no KL or entropy term) the optimizer does not step, with or without
+    skipping, so the policy stays bit-identical. ``all_reduce`` (data-parallel ranks only):
+    ``samples`` is this rank's shard; counts, gradients and statistics are summed over the
+    ranks before the step.
     """
+    try:
+        return _update(policy, samples, settings, all_reduce)
+    finally:
+        _advance_schedule(policy)
+
+
+def _update(
+    policy: Policy, samples: list[Sample], settings: UpdateSettings, all_reduce: AllReduce | None
+) -> UpdateStats:
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
         raise ValueError(f"policy {policy.policy_id!r} got samples of policies {sorted(foreign)}")
     samples = [s for s in samples if s.response_ids]
-    counts = torch.tensor([sum(len(s.response_ids) for s in samples), len(samples)])
+    computed = _computed(samples, settings)
+    # The normalisers count every sample of the batch, computed or not (invariant 10).
+    counts = torch.tensor(
+        [
+            sum(len(s.response_ids) for s in samples),
+            len(samples),
+            _has_signal(samples, settings),
+            len(computed),
+        ]
+    )
     if all_reduce is not None:
         all_reduce(counts)  # the whole batch's normalisers
-    num_tokens, num_seqs = int(counts[0]), int(counts[1])
-    if not num_seqs:
-        return UpdateStats(True, "no samples with signal", 0, 0)
-    model, pad_id = policy.model, policy.tokenizer.pad_token_id
+    num_tokens, num_seqs, signal, num_computed = (int(c) for c in counts)
+    if not signal:
+        return UpdateStats(True, "no samples with signal", num_seqs, num_tokens)
     policy.activate()
-    model.train()
+    policy.model.train()
     policy.optimizer.zero_grad(set_to_none=True)
-    # Similar lengths share a micro-batch: less padding, same result.
-    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
-    totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy"), 0.0)
-    weighted = dict.fromkeys(("clip_frac", "ratio_mean", "approx_kl"), 0.0)
-    finite = True
-    for start in range(0, len(ordered), settings.micro_batch_size):
-        chunk = ordered[start : start + settings.micro_batch_size]
-        batch = collate(chunk, pad_id).to(next(model.parameters()).device)
-        logits = response_logits(model, batch, policy.autocast_dtype)  # (B, R, V)
-        logprobs = token_logprobs(logits, batch.targets, settings.temperature)  # (B, R)
-        ref_logprobs = None
-        if settings.kl_coef > 0:
-            ref_logits = reference_logits(policy, batch)
-            ref_logprobs = token_logprobs(ref_logits, batch.targets, settings.temperature)
-        entropy = (
-            entropy_from_logits(logits, settings.temperature) if settings.entropy_coef > 0 else None
-        )
-        out = ppo_clip_loss(
-            logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            batch.mask,
-            clip_low=settings.clip_low,
-            clip_high=settings.clip_high,
-            aggregation=settings.aggregation,
-            ref_logprobs=ref_logprobs,
-            kl_coef=settings.kl_coef,
-            entropy=entropy,
-            entropy_coef=settings.entropy_coef,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-        )
+    acc = _Accumulator()
+    for chunk in _micro_batches(computed, settings.micro_batch_size):
+        out, gap = _micro_batch(policy, chunk, settings, num_tokens, num_seqs)
         if not torch.isfinite(out.loss):
-            finite = False
+            acc.finite = False
             break
         out.loss.backward()
-        share = float(batch.mask.sum()) / num_tokens
-        for k in totals:
-            totals[k] += float(getattr(out, k).detach())
-        for k in weighted:
-            weighted[k] += float(getattr(out, k).detach()) * share
+        acc.add(out, gap)
     if all_reduce is not None:  # every rank reaches here, so every rank decides alike
-        finite = _sum_over_ranks(all_reduce, policy.params, totals, weighted, finite)
-    if not finite:
+        acc.sum_over_ranks(all_reduce, policy.params)
+    return _step(policy, settings, acc, num_seqs, num_tokens, num_computed)
+
+
+def _has_signal(samples: list[Sample], settings: UpdateSettings) -> int:
+    """1 when the loss has a gradient: a non-zero advantage, or a KL or entropy term."""
+    regularised = settings.kl_coef > 0 or settings.entropy_coef > 0
+    return int(bool(samples) and (regularised or any(s.advantage != 0.0 for s in samples)))
+
+
+def _computed(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
+    """The samples that need a forward: all, or with skipping those whose gradient is not 0.
+
+    A zero-advantage sample contributes 0 to the policy-gradient term; its KL and entropy
+    terms are not 0, so nothing is skipped when either is on.
+    """
+    regularised = settings.kl_coef > 0 or settings.entropy_coef > 0
+    if not settings.skip_zero_advantage or regularised:
+        return samples
+    return [s for s in samples if s.advantage != 0.0]
+
+
+def _micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+    # Similar lengths share a micro-batch: less padding, same result.
+    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+@dataclass(frozen=True)
+class _Gap:
+    """Sums over one micro-batch's tokens of the sampler-vs-trainer log-prob gap."""
+
+    tokens: float
+    abs_diff: float  # sum |rollout - trainer|
+    max_abs_diff: float
+    kl: float  # sum (rollout - trainer)
+
+
+def _micro_batch(
+    policy: Policy,
+    chunk: list[Sample],
+    settings: UpdateSettings,
+    num_tokens: int,
+    num_seqs: int,
+) -> tuple[LossOutput, _Gap]:
+    """The loss of one micro-batch, normalised by the whole batch's counts, and its gap."""
+    model = policy.model
+    batch = collate(chunk, policy.tokenizer.pad_token_id).to(next(model.parameters()).device)
+    logits = response_logits(model, batch, policy.autocast_dtype)  # (B, R, V)
+    logprobs = token_logprobs(logits, batch.targets, settings.temperature)  # (B, R)
+    trainer = logprobs.detach()
+    old = trainer if settings.old_logprobs is OldLogprobs.TRAINER else batch.old_logprobs
+    weights = None
+    if settings.tis_cap > 0:
+        weights = truncated_is_weights(trainer, batch.old_logprobs, batch.mask, settings.tis_cap)
+    ref_logprobs = None
+    if settings.kl_coef > 0:
+        ref_logits = reference_logits(policy, batch)
+        ref_logprobs = token_logprobs(ref_logits, batch.targets, settings.temperature)
+    entropy = (
+        entropy_from_logits(logits, settings.temperature) if settings.entropy_coef > 0 else None
+    )
+    out = ppo_clip_loss(
+        logprobs,
+        old,
+        batch.advantages,
+        batch.mask,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        aggregation=settings.aggregation,
+        ref_logprobs=ref_logprobs,
+        kl_coef=settings.kl_coef,
+        entropy=entropy,
+        entropy_coef=settings.entropy_coef,
+        is_weights=weights,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
+    return out, _gap(trainer, batch.old_logprobs, batch.mask)
+
+
+def _gap(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Gap:
+    m = mask.bool()  # (B, R)
+    diff = torch.where(m, rollout - trainer, torch.zeros_like(trainer))  # (B, R)
+    return _Gap(
+        tokens=float(m.sum()),
+        abs_diff=float(diff.abs().sum()),
+        max_abs_diff=float(diff.abs().max()) if diff.numel() else 0.0,
+        kl=float(diff.sum()),
+    )
+
+
+_SUMMED = ("loss", "pg_loss", "kl", "entropy")  # already shares of the whole batch
+_TOKEN_MEANS = ("clip_frac", "ratio_mean", "approx_kl")  # means over a micro-batch's tokens
+
+
+@dataclass
+class _Accumulator:
+    """Loss terms and statistics over the micro-batches (and ranks) of one update."""
+
+    finite: bool = True
+    sums: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(_SUMMED, 0.0))
+    token_sums: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys((*_TOKEN_MEANS, "abs_diff", "kl_gap"), 0.0)
+    )
+    tokens: float = 0.0  # computed tokens
+    max_abs_diff: float = 0.0
+
+    def add(self, out: LossOutput, gap: _Gap) -> None:
+        for k in _SUMMED:
+            self.sums[k] += float(getattr(out, k).detach())
+        for k in _TOKEN_MEANS:  # back from a micro-batch mean to a sum over its tokens
+            self.token_sums[k] += float(getattr(out, k)) * gap.tokens
+        self.token_sums["abs_diff"] += gap.abs_diff
+        self.token_sums["kl_gap"] += gap.kl
+        self.tokens += gap.tokens
+        self.max_abs_diff = max(self.max_abs_diff, gap.max_abs_diff)
+
+    def sum_over_ranks(self, all_reduce: AllReduce, params: list[torch.nn.Parameter]) -> None:
+        """Sum gradients and statistics over the ranks; finite only if every rank was.
+
+        A rank with no micro-batch contributes zero gradients. The max gap is summed too: an
+        upper bound, exact on one rank.
+        """
+        keys = [*self.sums, *self.token_sums]
+        values = [*self.sums.values(), *self.token_sums.values()]
+        extra = [0.0 if self.finite else 1.0, self.tokens, self.max_abs_diff]
+        stats = torch.tensor(extra + values, dtype=torch.float64)
+        all_reduce(stats)
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            all_reduce(param.grad)
+        self.finite, self.tokens, self.max_abs_diff = bool(stats[0] == 0), *stats[1:3].tolist()
+        for k, v in zip(keys, stats[3:].tolist(), strict=True):
+            (self.sums if k in self.sums else self.token_sums)[k] = v
+
+    def stats(self) -> dict[str, float]:
+        n = max(self.tokens, 1.0)
+        means = {k: v / n for k, v in self.token_sums.items()}
+        return {
+            **self.sums,
+            **{k: means[k] for k in _TOKEN_MEANS},
+            "rollout_abs_diff": means["abs_diff"],
+            "rollout_max_abs_diff": self.max_abs_diff,
+            "rollout_kl": means["kl_gap"],
+        }
+
+
+def _step(
+    policy: Policy,
+    settings: UpdateSettings,
+    acc: _Accumulator,
+    num_seqs: int,
+    num_tokens: int,
+    computed: int,
+) -> UpdateStats:
+    """The optimizer step, guarded: a non-finite loss or gradient skips it and is reported."""
+    if not acc.finite:
         policy.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(True, "non-finite loss", num_seqs, num_tokens, loss=float("nan"))
     grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.params, settings.grad_clip))
-    if not torch.isfinite(torch.tensor(grad_norm)):
+    if not math.isfinite(grad_norm):
         policy.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(True, "non-finite gradient", num_seqs, num_tokens, grad_norm=grad_norm)
     policy.optimizer.step()
-    policy.scheduler.step()
     policy.optimizer.zero_grad(set_to_none=True)
-    return UpdateStats(False, "", num_seqs, num_tokens, grad_norm=grad_norm, **totals, **weighted)
+    return UpdateStats(
+        False,
+        "",
+        num_seqs,
+        num_tokens,
+        grad_norm=grad_norm,
+        computed_samples=computed,
+        **acc.stats(),
+    )
 
 
-def _sum_over_ranks(
-    all_reduce: AllReduce,
-    params: list[torch.nn.Parameter],
-    totals: dict[str, float],
-    weighted: dict[str, float],
-    finite: bool,
-) -> bool:
-    """Sum gradients and statistics over the ranks (in place); True when every rank was finite.
-
-    The statistics are already shares of the whole batch (global normalisers), so their sums are
-    the whole batch's. A rank with no micro-batch contributes zero gradients.
-    """
-    keys = [*totals, *weighted]
-    values = {**totals, **weighted}
-    stats = torch.tensor([0.0 if finite else 1.0] + [values[k] for k in keys], dtype=torch.float64)
-    all_reduce(stats)
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        all_reduce(param.grad)
-    for k, v in zip(keys, stats[1:].tolist(), strict=True):
-        (totals if k in totals else weighted)[k] = v
-    return bool(stats[0] == 0)
+def _advance_schedule(policy: Policy) -> None:
+    """One LR-schedule step per training step, also when the optimizer did not step."""
+    with warnings.catch_warnings():  # torch warns when the first optimizer step was skipped
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        policy.scheduler.step()

@@ -6,7 +6,7 @@ through the in-process protocols, now served by a Ray worker group that owns the
 model, optimizer and generator:
 
 * :class:`~atgrpo.distributed.group.RemoteGenerator` is a :class:`atgrpo.generation.Generator`;
-* :class:`~atgrpo.distributed.group.RemoteLearner` is a :class:`atgrpo.train.Learner` (update,
+* :class:`~atgrpo.distributed.group.RemoteLearner` is a :class:`atgrpo.runtime.Learner` (update,
   learning rate, checkpoint save and restore);
 * inside a group of several workers, ``torch.distributed`` (gloo on CPU, nccl on GPU) sums the
   gradients of the ranks' shards (:func:`atgrpo.update.ppo_update`'s ``all_reduce``);

@@ -7,7 +7,7 @@ actors placed in a placement group of their own, so each group gets the CPUs and
 
 * :class:`RemoteGenerator` (the :class:`atgrpo.generation.Generator` protocol), which splits a
   batch of prompts over the group's ranks and hands over the driver's RNG state, and
-* :class:`RemoteLearner` (the :class:`atgrpo.train.Learner` protocol): an update that splits the
+* :class:`RemoteLearner` (the :class:`atgrpo.runtime.Learner` protocol): an update that splits the
   policy's samples over the ranks and returns the step's ``UpdateStats`` as a future (so the
   groups of several policies step at the same time), the learning rate, and checkpoint save and
   restore, which the workers do on their own nodes.
@@ -104,12 +104,20 @@ class RemoteGenerator:
         self.group, self.policy_id = group, policy_id
 
     def generate(
-        self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float | None,
+        top_k: int,
+        top_p: float,
     ) -> list[Generation]:
         rng = torch.get_rng_state()
         shards = _contiguous(prompts, len(self.group.workers))
         refs = [
-            worker.generate.remote(self.policy_id, shard, max_new_tokens, temperature, rng)
+            worker.generate.remote(
+                self.policy_id, shard, max_new_tokens, temperature, top_k, top_p, rng
+            )
             for worker, shard in zip(self.group.workers, shards, strict=True)
             if shard
         ]
@@ -125,7 +133,7 @@ class RemoteGenerator:
 
 
 class RemoteLearner:
-    """One policy's trainer in its worker group (a :class:`atgrpo.train.Learner`)."""
+    """One policy's trainer in its worker group (a :class:`atgrpo.runtime.Learner`)."""
 
     def __init__(self, group: PolicyGroup, policy_id: str) -> None:
         self.group, self.policy_id = group, policy_id

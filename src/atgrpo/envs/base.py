@@ -36,11 +36,18 @@ class Workflow:
     One *turn* is every agent of ``agents`` acting once, in order. The episode ends when the
     env reports termination (task solved or failed for good) or after ``max_turns`` turns
     (truncation).
+
+    ``defers_team`` names the agents whose action never changes the team reward by itself (a
+    tool agent whose program only advises the planner, a tester whose tests only inform the
+    coder's next solution). Under ``algo.team_credit: lookahead`` each branch of such an agent
+    is credited with the team reward after the next agent's response on that branch, so the
+    team term reaches it (docs/algorithm.md, "Team credit"); ``check_env`` checks the claim.
     """
 
     name: str
     agents: tuple[str, ...]  # turn order
     max_turns: int
+    defers_team: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.agents:
@@ -50,6 +57,11 @@ class Workflow:
         if self.max_turns < 1:
             raise ValueError(
                 f"workflow {self.name!r}: max_turns must be >= 1, got {self.max_turns}"
+            )
+        if unknown := set(self.defers_team) - set(self.agents):
+            raise ValueError(
+                f"workflow {self.name!r}: defers_team names agents it does not have: "
+                f"{sorted(unknown)}"
             )
 
 

@@ -45,7 +45,8 @@ def check_env(
     task) for at most ``max_turns * len(agents)`` steps. Before every step, each of ``actions``
     is applied to its own clone: it must not raise and must return a :class:`StepOutcome` with
     finite rewards and a JSON-serialisable info, and stepping a clone must leave the original
-    and a sibling clone unchanged.
+    and a sibling clone unchanged. An agent in ``workflow.defers_team`` must give every
+    action the same team reward.
     """
     options = dict(reset_options) if reset_options is not None else None
     agents = tuple(env.possible_agents)
@@ -64,8 +65,14 @@ def check_env(
         )
         for step_idx in range(max_steps):
             _check_state(env, f"seed {seed}, step {step_idx}")
-            for action in actions:
-                _check_action_on_clone(env, action, f"seed {seed}, step {step_idx}")
+            where = f"seed {seed}, step {step_idx}"
+            acting = env.agent_selection
+            teams = {_check_action_on_clone(env, action, where).team_reward for action in actions}
+            _require(
+                acting not in env.workflow.defers_team or len(teams) == 1,
+                f"{where}: workflow.defers_team lists {acting!r}, but its actions gave different "
+                f"team rewards {sorted(teams)}; an agent that defers never changes the team reward",
+            )
             _check_step(env, drive_action, f"seed {seed}, step {step_idx}")
             if env.done:
                 break
@@ -180,14 +187,14 @@ def _check_step(env: MultiAgentEnv, action: str, where: str) -> StepOutcome:
     return outcome
 
 
-def _check_action_on_clone(env: MultiAgentEnv, action: str, where: str) -> None:
+def _check_action_on_clone(env: MultiAgentEnv, action: str, where: str) -> StepOutcome:
     before = _snapshot(env)
     branch, sibling = env.clone(), env.clone()
     _require(
         _snapshot(branch) == before,
         f"{where}: clone() is not a faithful copy (observations or flags differ)",
     )
-    _check_step(branch, action, where)
+    outcome = _check_step(branch, action, where)
     _check_state(branch, f"{where}, after step({_short(action)}) on a clone")
     _require(
         _snapshot(env) == before,
@@ -199,3 +206,4 @@ def _check_action_on_clone(env: MultiAgentEnv, action: str, where: str) -> None:
         f"{where}: clone is not independent: stepping a clone with {_short(action)} changed a "
         f"sibling clone",
     )
+    return outcome

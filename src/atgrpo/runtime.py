@@ -1,0 +1,185 @@
+"""The runtime of a run: every policy, rollout engine, router and env stepper, built once.
+
+:func:`build_runtime` makes every implementation choice before any loop runs: the envs'
+agents, the policies and their regime L0-L3 (this process, or Ray worker groups with
+``backend.kind: ray``), their rollout engines and prompt encoders, the agent -> policy routing
+and where env steps run. Training (:mod:`atgrpo.train`), evaluation (``atgrpo eval``) and
+comparison (:mod:`atgrpo.compare`) share it, so evaluating never imports the training loop.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from atgrpo import checkpoint as ckpt
+from atgrpo.config import BackendKind, Config
+from atgrpo.envs import Split, make_env
+from atgrpo.evaluate import EvalReport, evaluate
+from atgrpo.generation import Generator
+from atgrpo.policies import (
+    Policy,
+    build_generators,
+    build_policies,
+    make_encoder,
+    resolve_routing,
+)
+from atgrpo.prompts import PromptEncoder
+from atgrpo.records import Sample
+from atgrpo.rollout import EnvStepper, ThreadStepper
+from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+
+
+class Learner(Protocol):
+    """Where one policy's weights and optimizer live and learn: this process or a Ray group."""
+
+    def update(self, samples: list[Sample], settings: UpdateSettings) -> Future[UpdateStats]:
+        """Start one PPO step on the policy's own samples; Ray groups step concurrently."""
+        ...
+
+    def last_lr(self) -> float: ...
+
+    def save(self, out: Path) -> str:
+        """Write the policy's checkpoint folder ``out``; return its kind (model or lora)."""
+        ...
+
+    def restore(self, checkpoint: Path) -> None:
+        """Load optimizer and scheduler state (the weights are loaded when it is built)."""
+        ...
+
+
+@dataclass
+class LocalLearner:
+    """A policy in this process."""
+
+    policy: Policy
+
+    def update(self, samples: list[Sample], settings: UpdateSettings) -> Future[UpdateStats]:
+        done: Future[UpdateStats] = Future()
+        done.set_result(ppo_update(self.policy, samples, settings))
+        return done
+
+    def last_lr(self) -> float:
+        return float(self.policy.scheduler.get_last_lr()[0])
+
+    def save(self, out: Path) -> str:
+        return ckpt.save_policy(self.policy, out)
+
+    def restore(self, checkpoint: Path) -> None:
+        ckpt.restore_policy_state(checkpoint, self.policy)
+
+
+@dataclass
+class Runtime:
+    """Everything chosen once before the loop: policies, engines, routing, env stepper."""
+
+    cfg: Config
+    agents: tuple[str, ...]
+    policies: dict[str, Policy]  # the policies in this process ({} when they live in Ray groups)
+    learners: dict[str, Learner]  # per policy id: update, learning rate, checkpoint
+    generators: dict[str, Generator]  # per policy id
+    policy_of: dict[str, str]  # agent id -> policy id
+    encode: dict[str, PromptEncoder]  # per policy id (L3 policies may have other tokenizers)
+    stepper: EnvStepper  # env steps: this process's thread pool or Ray env workers
+    on_close: list[Callable[[], None]] = field(default_factory=list)  # thread pool, Ray actors
+
+    def close(self) -> None:
+        _close_all(self.on_close)
+
+    def take_truncations(self) -> int:
+        """Prompts shortened to fit rollout.max_prompt_tokens since the last call."""
+        return sum(encoder.take_truncations() for encoder in self.encode.values())
+
+    def evaluate(self, split: Split, num_tasks: int) -> EvalReport:
+        return evaluate(
+            self.cfg,
+            generators=self.generators,
+            policy_of=self.policy_of,
+            encode=self.encode,
+            split=split,
+            num_tasks=num_tasks,
+            stepper=self.stepper,
+        )
+
+
+def _close_all(closers: list[Callable[[], None]]) -> None:
+    """Last started, first closed (env workers and groups before the Ray connection); each one
+    runs even when a later-started one fails."""
+    if closers:
+        close = closers.pop()
+        try:
+            close()
+        finally:
+            _close_all(closers)
+
+
+def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
+    """Build every policy (from ``checkpoint`` when given) and wire each agent to its policy.
+
+    ``backend.kind: ray`` builds them in Ray worker groups instead, and with
+    ``backend.num_env_workers`` steps the envs in Ray env workers (``atgrpo.distributed``);
+    the loop reaches them through the same protocols.
+    """
+    agents = make_env(cfg.env).possible_agents
+    policy_of = resolve_routing(cfg, agents)
+    weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
+    policies: dict[str, Policy] = {}
+    on_close: list[Callable[[], None]] = []
+    try:
+        if cfg.backend.kind is BackendKind.RAY:
+            from atgrpo.distributed import start_ray_policies  # the optional `ray` extra
+
+            remote = start_ray_policies(cfg, weights)
+            on_close.append(remote.close)
+            learners: dict[str, Learner] = dict(remote.learners)
+            generators: dict[str, Generator] = dict(remote.generators)
+            tokenizers = remote.tokenizers
+        else:
+            policies = build_policies(cfg, weights)
+            learners = {pid: LocalLearner(p) for pid, p in policies.items()}
+            generators = build_generators(cfg, policies)
+            tokenizers = {pid: p.tokenizer for pid, p in policies.items()}
+        stepper = _build_stepper(cfg, on_close)
+    except BaseException:
+        _close_all(on_close)
+        raise
+    return Runtime(
+        cfg=cfg,
+        agents=agents,
+        policies=policies,
+        learners=learners,
+        generators=generators,
+        policy_of=policy_of,
+        encode={
+            pid: make_encoder(tok, cfg.rollout.max_prompt_tokens) for pid, tok in tokenizers.items()
+        },
+        stepper=stepper,
+        on_close=on_close,
+    )
+
+
+def _build_stepper(cfg: Config, on_close: list[Callable[[], None]]) -> EnvStepper:
+    """Ray env workers (``backend.num_env_workers`` > 0), else a thread pool in this process."""
+    if cfg.backend.kind is BackendKind.RAY and cfg.backend.num_env_workers > 0:
+        from atgrpo.distributed import start_env_workers  # on the cluster the policies joined
+
+        env_workers = start_env_workers(cfg)
+        on_close.append(env_workers.close)
+        return env_workers
+    pool = ThreadPoolExecutor(max_workers=cfg.rollout.env_workers or os.cpu_count() or 1)
+    on_close.append(pool.shutdown)  # waits for running steps
+    return ThreadStepper(pool)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
