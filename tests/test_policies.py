@@ -1,4 +1,4 @@
-"""Regimes L1-L3 and routing (DESIGN.md, invariant 4).
+"""Regimes L1-L3 and routing (invariant 4 of docs/design.md).
 
 L2: a step on agent A's samples changes A's adapter and leaves B's adapter and the base
 bit-identical; A and B generate with different adapters. L3: a model with no samples in a step

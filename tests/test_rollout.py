@@ -1,4 +1,4 @@
-"""Tree and independent rollouts on Plan-Path (DESIGN.md invariants 1, 2, 6).
+"""Tree and independent rollouts on Plan-Path (invariants 1, 2, 6 and 11 of docs/design.md).
 
 The generator here is scripted (a test double for the model), so that the rollout's own logic
 is checked on known completions; test_train_smoke.py runs the real tiny model end to end.

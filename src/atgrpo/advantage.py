@@ -1,6 +1,6 @@
 """Grouping and group-normalised advantages: the "GRPO" in AT-GRPO.
 
-PAPER.md, "AT-GRPO, the algorithm": every (agent, turn) response is its own training sequence,
+docs/algorithm.md, "Advantages": every (agent, turn) response is its own training sequence,
 and its advantage is its reward compared with the other samples *of the same prompt*. Under tree
 sampling the K branches of one agent at one turn of one task share a prompt, so the group key is
 (task, agent, turn) (step 2). The other groupings exist for the paper's ablation (grouping: none
@@ -8,7 +8,7 @@ sampling the K branches of one agent at one turn of one task share a prompt, so 
 
 Group keys are built in one place, :func:`group_key`, and a missing key raises: the reference
 implementation assigned random ids to samples without keys, which silently turned grouping off
-(PAPER.md, "Lessons from the reference implementation").
+(docs/algorithm.md, "Deliberate deviations from the reference implementation").
 
 Everything here is a pure function; :func:`assign_advantages` only writes ``sample.advantage``.
 """

@@ -1,4 +1,4 @@
-"""Atomic checkpoints and resume (DESIGN.md, invariant 7).
+"""Atomic checkpoints and resume (invariant 7 of docs/design.md).
 
 Layout of ``<run_dir>/checkpoints/step-000012/``::
 

@@ -1,14 +1,14 @@
 """Policies: models, LoRA adapters and optimizers, and the agent -> policy routing (L0..L3).
 
-A policy acts for one or more agents and learns from their samples alone (PAPER.md, "The
-training system"). The regimes are one mechanism, chosen by ``policies`` and ``routing`` in the
+A policy acts for one or more agents and learns from their samples alone (docs/algorithm.md,
+"Rollout"). The regimes are one mechanism, chosen by ``policies`` and ``routing`` in the
 config:
 
 * **L0 / L1**: one policy (``shared``) on one model for every agent; roles differ by prompt.
 * **L2**: one frozen base model wrapped once by peft, with one named LoRA adapter per policy.
   A policy activates its adapter (``set_adapter``) before it generates or computes a loss, and
   its optimizer holds only its adapter's parameters, so the other adapters and the base stay
-  bit-identical (DESIGN.md, invariant 4). There is one model in memory, never a copy per agent.
+  bit-identical (invariant 4 of docs/design.md). There is one model in memory, never a copy per agent.
 * **L3**: a separate model per policy (other checkpoints or sizes allowed), each with its own
   optimizer, learning rate and tokenizer.
 

@@ -1,7 +1,7 @@
 """Typed records that flow from rollout to update.
 
 One :class:`Sample` is one agent's response at one turn of one task: its own training sequence
-(PAPER.md, "Each (agent, turn) response is its own training sequence"). The rollout fills every
+(docs/algorithm.md, "Loss"). The rollout fills every
 field except ``advantage``; :func:`atgrpo.advantage.assign_advantages` fills that.
 """
 

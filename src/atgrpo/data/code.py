@@ -18,7 +18,7 @@ Problem styles:
   ``check(candidate)`` function followed by ``check(<entry point>)``; APPS call-based and
   LiveCodeBench functional cases become one check per case.
 
-Splits (DESIGN.md invariant 5) are decided here, in :func:`load_code_dataset`:
+Splits (invariant 5 of docs/design.md) are decided here, in :func:`load_code_dataset`:
 
 * one file (or the bundled HumanEval): each problem goes to train / validation / test by a
   stable hash of its content (statement and starter code, whitespace-normalised), 80/10/10,

@@ -10,7 +10,7 @@ from a hub: a missing package or file is a :class:`MathDatasetError` that says h
 * **Training problems**: seeded ``reasoning-gym`` generators (arithmetic, equations, number
   theory, ...; answers computed by the generator), or a local (question, answer) file.
 
-Splits (DESIGN.md invariant 5) are decided in one place, :func:`make_splits`:
+Splits (invariant 5 of docs/design.md) are decided in one place, :func:`make_splits`:
 
 * test = the chosen benchmark, whole;
 * the training pool is deduplicated by whitespace- and case-normalised question text; a problem

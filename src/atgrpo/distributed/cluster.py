@@ -1,6 +1,6 @@
 """This run's connection to Ray: a local cluster it starts and stops, or a cluster it joins.
 
-A run never stops what it did not start (PAPER.md: the reference implementation's start-up
+A run never stops what it did not start (the paper's reference implementation's start-up
 killed every Ray process on the machine). ``backend.address: null`` starts a local cluster for
 the run and shuts it down at the end; an address connects to a running cluster and at the end
 only disconnects from it; a process already connected to Ray (a notebook, a test) keeps its

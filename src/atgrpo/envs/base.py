@@ -5,10 +5,10 @@ Modelled on PettingZoo's turn-based (AEC) API so that users recognise it:
 ``terminations`` / ``truncations`` / ``infos`` dictionaries. Three additions serve AT-GRPO:
 
 * ``clone()`` returns an independent deep copy of the whole state, so tree sampling can apply
-  each of K candidate responses to its own copy (DESIGN.md, invariant 2);
+  each of K candidate responses to its own copy (invariant 2 of docs/design.md);
 * ``step(action)`` returns a :class:`StepOutcome` with a **team** reward (the whole system's
   progress) and a **local** reward (the acting role's own contribution); the trainer mixes them
-  as ``alpha * team + local`` (PAPER.md, "Mixed rewards");
+  as ``alpha * team + local_weight * local`` (docs/algorithm.md, "Rewards");
 * ``observe(agent_id)`` returns chat messages, and the action is the raw completion string.
   Parsing a completion never raises: a malformed one is an invalid action with the penalty the
   env documents.

@@ -16,7 +16,7 @@ from atgrpo.envs.base import MultiAgentEnv, StepOutcome
 
 ROLES = ("system", "user", "assistant")
 
-# Completions every env must survive without raising (DESIGN.md invariant 6).
+# Completions every env must survive without raising (invariant 6 of docs/design.md).
 MALFORMED_ACTIONS: tuple[str, ...] = (
     "",
     "garbage",

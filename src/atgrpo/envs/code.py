@@ -1,4 +1,4 @@
-"""Code generation as a multi-agent env: a coder and a unit tester (PAPER.md, "MAS designs").
+"""Code generation as a multi-agent env: a coder and a unit tester (docs/algorithm.md, "Multi-agent designs").
 
 Workflows: ``mas`` = per turn, the **coder** writes a solution in a ```python block, then the
 **tester** writes test cases for the problem (it sees the solution); the solution runs against
@@ -21,9 +21,10 @@ to the agents) and ``s*`` the current solution (the last one the coder wrote; an
 a code block leaves it unchanged).
 
 * ``team_reward`` after any step: ``1.0`` if ``s*`` passes every ground-truth test, else
-  ``0.0`` (strict; the tester never changes ``s*``, so its team reward is equal across its K
-  branches and its group is ranked by the local reward);
-* coder ``local_reward`` = ``gt(s)`` of the solution it just wrote (PAPER.md: "ground-truth
+  ``0.0`` (strict). The tester never changes ``s*``, so it is in ``workflow.defers_team``:
+  under lookahead credit the trainer gives each tester branch the team reward after the
+  coder's next solution on it (docs/algorithm.md, "Team credit");
+* coder ``local_reward`` = ``gt(s)`` of the solution it just wrote (the paper's "ground-truth
   pass rate");
 * tester ``local_reward`` = ``validity + catch_bonus * caught``, where, over its n tests,
   ``validity`` = (tests the reference passes) / n, and ``caught`` = 1 when ``s*`` fails a

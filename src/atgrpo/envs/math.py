@@ -1,6 +1,6 @@
 """Math problems as a multi-agent env: a tool agent that computes, a reasoner that answers.
 
-PAPER.md, "The MAS designs per domain" (Math): each turn the **tool agent** writes a Python
+docs/algorithm.md, "Multi-agent designs" (Math): each turn the **tool agent** writes a Python
 program, run in the sandbox, whose printed output is its answer; then the **reasoner** reads the
 problem, the program and its output and gives its answer as ``\\boxed{...}``, adopting or
 correcting the tool's. The episode ends when the two answers agree (math-verify) or after
@@ -145,8 +145,9 @@ class MathEnv(TurnBasedEnv):
     ``verify(x, ground truth)``:
 
     * ``team_reward`` after any step: ``1`` if the reasoner's latest answer is correct, else
-      ``0`` (``0`` before its first answer). The tool agent does not change it, so it is equal
-      across the tool's K branches and the tool's group is ranked by its local reward;
+      ``0`` (``0`` before its first answer). The tool agent does not change it, so it is in
+      ``workflow.defers_team``: under lookahead credit the trainer gives each tool branch the
+      team reward after the reasoner's answer on it (docs/algorithm.md, "Team credit");
     * tool ``local_reward``: ``1`` if its program's answer is correct, ``0`` if it is wrong,
       ``-format_penalty`` when there is no code block, the program fails or times out, or its
       output has no answer (see :func:`answer_from_output`);

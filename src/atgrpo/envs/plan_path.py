@@ -1,4 +1,4 @@
-"""Plan-Path: lead an agent through a grid with walls to a goal (PAPER.md, "MAS designs").
+"""Plan-Path: lead an agent through a grid with walls to a goal (docs/algorithm.md, "Multi-agent designs").
 
 The game logic is :class:`PlanPathPuzzle` (an action is a list of moves); the workflows, prompts
 around the board and the tool agent's sandbox are the shared :class:`~atgrpo.envs.puzzle.

@@ -1,6 +1,6 @@
 """Puzzles (Plan-Path, Sudoku, Sokoban) as multi-agent envs: the shared workflows and prompts.
 
-PAPER.md, "The MAS designs per domain": for games and planning the ``mas`` workflow is a tool
+docs/algorithm.md, "Multi-agent designs": for games and planning the ``mas`` workflow is a tool
 agent, which writes a Python program whose printed output is an action, then a planner, which
 reads the task, the program and its output and gives the action that is applied; ``single`` is
 the planner alone with the same turn budget. :class:`PuzzleEnv` runs both workflows for any
@@ -10,8 +10,9 @@ puzzle; a puzzle supplies only its game logic (a :class:`Puzzle`) and its texts 
 Rewards (``alpha * team + local`` in the trainer; the puzzle's docstring gives its formulas):
 
 * ``team_reward`` after any step is ``puzzle.team_reward()`` of the real state. The tool agent
-  never changes the real state, so its team reward is equal across its K branches and its group
-  is ranked by the local reward (docs/design.md);
+  never changes the real state, so it is in ``workflow.defers_team``: under lookahead credit
+  the trainer gives each tool branch the team reward after the planner's response on it
+  (docs/algorithm.md, "Team credit");
 * ``local_reward``: tool = ``Effect.score`` of its program's action applied to a **copy** of the
   state; planner = ``Effect.score`` of its action applied to the real state;
 * an unparseable action (tool: no code block, the program fails or times out, or its output
@@ -242,7 +243,7 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
         """A new instance of ``options["split"]`` (default train) drawn with ``seed``.
 
-        Splits never share an instance, whatever the seeds (DESIGN.md invariant 5; see
+        Splits never share an instance, whatever the seeds (invariant 5 of docs/design.md; see
         :mod:`atgrpo.envs.splits`). ``seed=None`` draws a fresh random seed.
         """
         split = self._split_option(options)

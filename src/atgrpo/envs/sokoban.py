@@ -1,4 +1,4 @@
-"""Sokoban: push every box onto a target in a small walled room (PAPER.md, "MAS designs":
+"""Sokoban: push every box onto a target in a small walled room (docs/algorithm.md, "Multi-agent designs":
 Sokoban 6x6 with one box; tool agent -> planner, or the planner alone).
 
 Rules. The player moves U (row - 1; row 0 is the top), D, L or R. Moving into a box pushes it
@@ -22,7 +22,7 @@ D(start) >= 1, and on(s) the number of boxes on targets (of N).
   [dead]``.
 
 Every solving plan without invalid moves has the highest score; success is strictly "every box
-on a target": a truncated episode is a failure (PAPER.md: the reference counted a timeout as
+on a target": a truncated episode is a failure (the paper's reference implementation counted a timeout as
 success).
 
 Instances are made by reverse play: boxes start on their targets and a random walk of the

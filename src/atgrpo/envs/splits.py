@@ -1,6 +1,6 @@
 """Train / validation / test splits of generated task instances.
 
-This module is where DESIGN.md invariant 5 ("the train, validation and test seed ranges are
+This module is where invariant 5 of docs/design.md ("the train, validation and test seed ranges are
 disjoint and the code says where") lives for generated envs. Two mechanisms, both needed:
 
 * **Disjoint seed ranges** (:data:`SEED_RANGES`, :func:`split_seeds`): the seeds a run draws

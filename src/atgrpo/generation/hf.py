@@ -19,7 +19,8 @@ configuration_utils.py), then from ``GenerationConfig._get_default_generation_pa
 built from the config (repetition penalty, n-gram ban, min length, ...) come before ours
 (``_merge_criteria_processor_list`` appends custom ones), and the warpers after it. So
 :func:`neutral_generation_config` sets every field that changes the next-token distribution
-(or the decoding mode, or the outputs) to a non-``None`` neutral value, which the merge keeps.
+under greedy decoding (or the decoding mode, or the outputs) to a non-``None`` neutral value,
+which the merge keeps; the warpers are never built under greedy decoding.
 Some fields are "off" only as ``None`` (``suppress_tokens``, ``bad_words_ids``,
 ``forced_eos_token_id``, ``sequence_bias``, ...; :data:`_OFF_ONLY_AS_NONE`); a model whose
 generation config sets one of them is refused with an error instead of being sampled from a
@@ -50,15 +51,10 @@ _NEUTRAL: dict[str, Any] = {
     "length_penalty": 1.0,
     "early_stopping": False,
     "use_mtp": False,
-    # Warpers: built only when sampling, so dead here; neutral all the same. (GenerationConfig.
-    # validate logs once that top_k and min_p "may be ignored" under do_sample=False: they are.)
-    "temperature": 1.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "typical_p": 1.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
+    # The warpers (temperature, top-k, top-p, min-p, typical-p, top-h, epsilon / eta cutoffs)
+    # are built only when do_sample is True (GenerationMixin._get_logits_processor), so they
+    # never run here, whatever the model's config says; we leave them unset, which is also
+    # what keeps GenerationConfig.validate from warning that they "may be ignored".
     # Processors that run under greedy decoding too.
     "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0,
