@@ -154,31 +154,6 @@ def test_logprobs_with_top_k_top_p_are_the_processed_distribution(
 
 @pytest.mark.vllm
 @needs_vllm
-def test_the_models_generation_config_does_not_shape_sampling(shared, tmp_path: Path) -> None:
-    """A Qwen3-style generation_config.json (top-k 20, top-p 0.95, a penalty) is not read."""
-    policy, _, cfg = shared
-    folder = tmp_path / "qwen3-style"
-    shutil.copytree(resolve_model_path(cfg.policy_model("shared")), folder)
-    path = folder / "generation_config.json"
-    defaults = json.loads(path.read_text()) if path.is_file() else {}
-    defaults |= {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
-    defaults |= {"repetition_penalty": 1.5, "min_p": 0.1}
-    path.write_text(json.dumps(defaults))
-    gen = VLLMGenerator(
-        VLLMEngine(str(folder), vllm_settings(cfg, [policy])), policy.model, policy.tokenizer
-    )
-    torch.manual_seed(6)
-    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=1.0, **OFF)
-    ranks = []
-    for logits, o in zip(_response_logits(policy, PROMPTS * 4, outs), outs, strict=True):
-        chosen = logits.gather(-1, torch.tensor(o.token_ids).unsqueeze(-1))  # (R, 1)
-        ranks += (logits > chosen).sum(-1).tolist()  # 0: the most likely token
-    assert max(ranks) >= 50  # the tiny model is near uniform: top-k 20 would allow none
-    assert _max_diff(policy, PROMPTS * 4, outs, 1.0) < TOLERANCE  # no penalty, no min-p
-
-
-@pytest.mark.vllm
-@needs_vllm
 def test_sync_weights_makes_the_engine_sample_from_the_new_weights(shared) -> None:
     policy, gen, _ = shared
     prompts = [[70, 71, 72], [80, 81]]
@@ -253,6 +228,36 @@ def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
     diff = max_diff(rollout(2))
     print(f"vLLM rollout after an update + sync vs training forward: max |diff| = {diff:.2e}")
     assert diff < TOLERANCE
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_the_models_generation_config_does_not_shape_sampling(shared, tmp_path: Path) -> None:
+    """A Qwen3-style generation_config.json (top-k 20, top-p 0.95, a penalty) is not read.
+
+    It builds a second engine in this process; when that one is collected vLLM tears down its
+    process-wide parallel groups, which the module's shared engine needs: so it runs after the
+    last test that uses the shared engine.
+    """
+    policy, _, cfg = shared
+    folder = tmp_path / "qwen3-style"
+    shutil.copytree(resolve_model_path(cfg.policy_model("shared")), folder)
+    path = folder / "generation_config.json"
+    defaults = json.loads(path.read_text()) if path.is_file() else {}
+    defaults |= {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    defaults |= {"repetition_penalty": 1.5, "min_p": 0.1}
+    path.write_text(json.dumps(defaults))
+    gen = VLLMGenerator(
+        VLLMEngine(str(folder), vllm_settings(cfg, [policy])), policy.model, policy.tokenizer
+    )
+    torch.manual_seed(6)
+    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=1.0, **OFF)
+    ranks = []
+    for logits, o in zip(_response_logits(policy, PROMPTS * 4, outs), outs, strict=True):
+        chosen = logits.gather(-1, torch.tensor(o.token_ids).unsqueeze(-1))  # (R, 1)
+        ranks += (logits > chosen).sum(-1).tolist()  # 0: the most likely token
+    assert max(ranks) >= 50  # the tiny model is near uniform: top-k 20 would allow none
+    assert _max_diff(policy, PROMPTS * 4, outs, 1.0) < TOLERANCE  # no penalty, no min-p
 
 
 @pytest.mark.vllm
