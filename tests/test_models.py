@@ -1,4 +1,4 @@
-"""Model resolution: built-in names, local folders, and clear errors (invariant 8 of docs/design.md)."""
+"""Model resolution: built-in names, local folders, clear errors (invariant 8 of docs/design.md)."""
 
 from __future__ import annotations
 

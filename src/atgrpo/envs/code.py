@@ -1,4 +1,6 @@
-"""Code generation as a multi-agent env: a coder and a unit tester (docs/algorithm.md, "Multi-agent designs").
+"""Code generation as a multi-agent env: a coder and a unit tester.
+
+The design: docs/algorithm.md, "Multi-agent designs".
 
 Workflows: ``mas`` = per turn, the **coder** writes a solution in a ```python block, then the
 **tester** writes test cases for the problem (it sees the solution); the solution runs against

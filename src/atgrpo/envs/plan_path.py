@@ -1,4 +1,6 @@
-"""Plan-Path: lead an agent through a grid with walls to a goal (docs/algorithm.md, "Multi-agent designs").
+"""Plan-Path: lead an agent through a grid with walls to a goal.
+
+The design: docs/algorithm.md, "Multi-agent designs".
 
 The game logic is :class:`PlanPathPuzzle` (an action is a list of moves); the workflows, prompts
 around the board and the tool agent's sandbox are the shared :class:`~atgrpo.envs.puzzle.

@@ -1,5 +1,7 @@
-"""Sokoban: push every box onto a target in a small walled room (docs/algorithm.md, "Multi-agent designs":
-Sokoban 6x6 with one box; tool agent -> planner, or the planner alone).
+"""Sokoban: push every box onto a target in a small walled room.
+
+The design (docs/algorithm.md, "Multi-agent designs"): Sokoban 6x6 with one box; tool agent ->
+planner, or the planner alone.
 
 Rules. The player moves U (row - 1; row 0 is the top), D, L or R. Moving into a box pushes it
 one cell when the cell behind it is floor (not a wall, not another box); a move into a wall or
@@ -22,8 +24,8 @@ D(start) >= 1, and on(s) the number of boxes on targets (of N).
   [dead]``.
 
 Every solving plan without invalid moves has the highest score; success is strictly "every box
-on a target": a truncated episode is a failure (the paper's reference implementation counted a timeout as
-success).
+on a target": a truncated episode is a failure (the paper's reference implementation counted
+a timeout as success).
 
 Instances are made by reverse play: boxes start on their targets and a random walk of the
 player pulls them away; a BFS solver then confirms solvability and the optimal length.

@@ -1,6 +1,6 @@
 """Sudoku: fill an n x n grid (boxes of side sqrt(n)) so that every row, column and box holds
-the digits 1..n once (docs/algorithm.md, "Multi-agent designs": Sudoku 4x4; tool agent -> planner, or the
-planner alone, run by :class:`~atgrpo.envs.puzzle.PuzzleEnv`).
+the digits 1..n once (docs/algorithm.md, "Multi-agent designs": Sudoku 4x4; tool agent ->
+planner, or the planner alone, run by :class:`~atgrpo.envs.puzzle.PuzzleEnv`).
 
 :class:`SudokuInstance` holds the givens and the unique solution (immutable);
 :class:`SudokuPuzzle` is the team's grid, with the rules and rewards; :data:`SUDOKU` binds it to
