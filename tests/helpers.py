@@ -16,6 +16,7 @@ UPDATE_DEFAULTS: dict[str, Any] = {
     "skip_zero_advantage": True,
     "old_logprobs": OldLogprobs.TRAINER,
     "tis_cap": 0.0,
+    "share_prefix": True,
 }
 # The rest of atgrpo.rollout.RolloutSettings: no top-k / top-p, the paper's local weight, and
 # no lookahead credit (tests of team credit turn it on themselves).

@@ -64,6 +64,12 @@ def test_k_of_one_is_refused_only_where_groups_would_be_singletons() -> None:
     load_config(None, ["rollout.num_generations=1", "algo.grouping=agent"])  # pools the turns
 
 
+def test_gradient_checkpointing_needs_prefix_sharing_off() -> None:
+    with pytest.raises(ConfigError, match="train.share_prefix=false"):
+        load_config(None, ["model.gradient_checkpointing=true"])
+    load_config(None, ["model.gradient_checkpointing=true", "train.share_prefix=false"])
+
+
 def test_truncated_importance_sampling_needs_trainer_old_logprobs() -> None:
     with pytest.raises(ConfigError, match=r"algo\.tis_cap"):
         load_config(None, ["algo.tis_cap=2", "algo.old_logprobs=rollout"])

@@ -48,6 +48,12 @@ class TeamCredit(enum.StrEnum):
     IMMEDIATE = "immediate"  # the team reward right after the action
 
 
+class AdamWImpl(enum.StrEnum):
+    FUSED = "fused"
+    FOREACH = "foreach"
+    FOR_LOOP = "for_loop"
+
+
 class Precision(enum.StrEnum):
     AUTO = "auto"  # bf16 autocast over fp32 master weights where the CPU/GPU supports bf16
     FP32 = "fp32"
@@ -156,6 +162,13 @@ class RolloutConfig(_Section):
     env_workers: int = Field(
         0, ge=0, description="Threads applying branches to envs (sandboxed programs); 0 = #cores."
     )
+    share_prefill: bool = Field(
+        True,
+        description=(
+            "HF engine: prefill each distinct prompt once and expand its key/value cache to its "
+            "K samples (exact: the same distribution and log-probs); false: prefill every copy."
+        ),
+    )
     engine: RolloutEngine = Field(
         RolloutEngine.HF,
         description=(
@@ -254,6 +267,21 @@ class TrainConfig(_Section):
     )
     grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
+    share_prefix: bool = Field(
+        True,
+        description=(
+            "Run each group's prompt once in the update, with gradients, and share its key/value "
+            "cache over the group's responses (exact: the same loss and gradient); false: every "
+            "sample recomputes its prompt."
+        ),
+    )
+    adamw: AdamWImpl = Field(
+        AdamWImpl.FUSED,
+        description=(
+            "torch's AdamW implementation: fused (one kernel; CPU and CUDA in torch 2.13), "
+            "foreach (multi-tensor) or for_loop. The same algorithm; fused is fastest."
+        ),
+    )
     log_every: int = Field(1, ge=1, description="Steps between metric lines.")
 
 
@@ -447,6 +475,12 @@ class Config(_Section):
                 "rollout.num_generations",
                 f"{self.algo.grouping.value} grouping compares the K samples of a group: "
                 "K = 1 gives every sample advantage 0; use K >= 2",
+            )
+        if self.model.gradient_checkpointing and self.train.share_prefix:
+            raise KeyedValueError(
+                "train.share_prefix",
+                "a shared prompt needs the key/value cache, which gradient checkpointing turns "
+                "off: set train.share_prefix=false",
             )
         if self.algo.tis_cap and self.algo.old_logprobs is OldLogprobs.ROLLOUT:
             raise KeyedValueError(

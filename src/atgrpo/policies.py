@@ -8,7 +8,8 @@ config:
 * **L2**: one frozen base model wrapped once by peft, with one named LoRA adapter per policy.
   A policy activates its adapter (``set_adapter``) before it generates or computes a loss, and
   its optimizer holds only its adapter's parameters, so the other adapters and the base stay
-  bit-identical (invariant 4 of docs/design.md). There is one model in memory, never a copy per agent.
+  bit-identical (invariant 4 of docs/design.md). There is one model in memory, never a copy per
+  agent.
 * **L3**: a separate model per policy (other checkpoints or sizes allowed), each with its own
   optimizer, learning rate and tokenizer.
 
@@ -29,6 +30,7 @@ import torch
 
 from atgrpo.config import (
     SHARED_POLICY,
+    AdamWImpl,
     Config,
     ConfigError,
     LoraConfig,
@@ -279,6 +281,7 @@ def _policy(
 ) -> Policy:
     """A policy with its own AdamW over ``params`` and LR schedule (per-policy lr / decay)."""
     settings = cfg.policies[policy_id]
+    impl = cfg.train.adamw
     optimizer = torch.optim.AdamW(
         params,
         lr=settings.lr if settings.lr is not None else cfg.train.lr,
@@ -286,6 +289,8 @@ def _policy(
         weight_decay=(
             settings.weight_decay if settings.weight_decay is not None else cfg.train.weight_decay
         ),
+        fused=impl is AdamWImpl.FUSED,
+        foreach=impl is AdamWImpl.FOREACH,
     )
     train = cfg.train
     schedule = functools.partial(

@@ -78,4 +78,5 @@ def update_settings(cfg: Config) -> UpdateSettings:
         skip_zero_advantage=algo.skip_zero_advantage,
         old_logprobs=algo.old_logprobs,
         tis_cap=algo.tis_cap,
+        share_prefix=cfg.train.share_prefix,
     )

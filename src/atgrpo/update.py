@@ -18,7 +18,6 @@ every rank takes the step one process would take on all the samples.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from atgrpo import prefix
 from atgrpo.loss import (
     LossAggregation,
     LossOutput,
@@ -38,6 +38,7 @@ from atgrpo.loss import (
     truncated_is_weights,
 )
 from atgrpo.policies import Policy
+from atgrpo.prefix import autocast_for, prompt_groups, run_prompt
 from atgrpo.records import Sample
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
@@ -58,6 +59,36 @@ class UpdateSettings:
     skip_zero_advantage: bool  # a pure speed-up: normalisers count every sample
     old_logprobs: OldLogprobs
     tis_cap: float  # 0: no truncated importance weights
+    share_prefix: bool  # each group's prompt computed once, its KV cache shared (exact)
+
+
+@dataclass
+class Responses:
+    """The response side of a micro-batch: what the loss needs besides the logits."""
+
+    targets: torch.Tensor  # (B, R) response tokens, right-padded
+    mask: torch.Tensor  # (B, R) 1.0 on real response tokens
+    old_logprobs: torch.Tensor  # (B, R) the sampler's
+    advantages: torch.Tensor  # (B,)
+
+    def to(self, device: torch.device) -> Responses:
+        return Responses(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+
+
+def collate_responses(samples: list[Sample], pad_id: int) -> Responses:
+    """Right-pad responses to R, the longest (at least 1)."""
+    width_r = max(max(len(s.response_ids) for s in samples), 1)
+    n = len(samples)
+    targets = torch.full((n, width_r), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width_r))
+    old = torch.zeros((n, width_r))
+    for i, s in enumerate(samples):
+        r = len(s.response_ids)
+        targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
+        mask[i, :r] = 1.0
+        old[i, :r] = torch.tensor(s.logprobs)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return Responses(targets, mask, old, advantages)
 
 
 @dataclass
@@ -65,50 +96,39 @@ class Batch:
     input_ids: torch.Tensor  # (B, P + R)
     attention_mask: torch.Tensor  # (B, P + R)
     position_ids: torch.Tensor  # (B, P + R)
-    targets: torch.Tensor  # (B, R) response tokens
-    mask: torch.Tensor  # (B, R) 1.0 on real response tokens
-    old_logprobs: torch.Tensor  # (B, R)
-    advantages: torch.Tensor  # (B,)
+    responses: Responses
 
     def to(self, device: torch.device) -> Batch:
         """The same batch on ``device`` (the model's: CPU or CUDA)."""
-        return Batch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.position_ids.to(device),
+            self.responses.to(device),
+        )
 
 
 def collate(samples: list[Sample], pad_id: int) -> Batch:
     """Left-pad prompts to P, right-pad responses to R (the rollout's layout)."""
-    width_p = max(len(s.prompt_ids) for s in samples)
-    width_r = max(max(len(s.response_ids) for s in samples), 1)
-    n = len(samples)
-    input_ids = torch.full((n, width_p + width_r), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width_p + width_r), dtype=torch.long)
-    targets = torch.full((n, width_r), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width_r))
-    old = torch.zeros((n, width_r))
+    responses = collate_responses(samples, pad_id)
+    width_p, width_r = max(len(s.prompt_ids) for s in samples), responses.targets.shape[1]
+    input_ids = torch.full((len(samples), width_p + width_r), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, width_p - p : width_p] = torch.tensor(s.prompt_ids)
-        input_ids[i, width_p : width_p + r] = torch.tensor(s.response_ids, dtype=torch.long)
+        input_ids[i, width_p : width_p + r] = responses.targets[i, :r]
         attention_mask[i, width_p - p : width_p + r] = 1
-        targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        mask[i, :r] = 1.0
-        old[i, :r] = torch.tensor(s.logprobs)
     # The same position ids `generate` derives from a left-padded attention mask.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Batch(input_ids, attention_mask, position_ids, targets, mask, old, advantages)
+    return Batch(input_ids, attention_mask, position_ids, responses)
 
 
 def response_logits(model: Any, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """Logits that predict each response token: (B, R, V)."""
-    width_r = batch.targets.shape[1]
+    width_r = batch.responses.targets.shape[1]
     device = next(model.parameters()).device
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with autocast:
+    with autocast_for(model, autocast_dtype):
         out = model(
             input_ids=batch.input_ids.to(device),
             attention_mask=batch.attention_mask.to(device),
@@ -213,13 +233,11 @@ def _update(
     policy.model.train()
     policy.optimizer.zero_grad(set_to_none=True)
     acc = _Accumulator()
-    for chunk in _micro_batches(computed, settings.micro_batch_size):
-        out, gap = _micro_batch(policy, chunk, settings, num_tokens, num_seqs)
-        if not torch.isfinite(out.loss):
-            acc.finite = False
-            break
-        out.loss.backward()
-        acc.add(out, gap)
+    norm = _Normalisers(num_tokens, num_seqs)
+    if settings.share_prefix:
+        _backward_shared(policy, computed, settings, norm, acc)
+    else:
+        _backward_unshared(policy, computed, settings, norm, acc)
     if all_reduce is not None:  # every rank reaches here, so every rank decides alike
         acc.sum_over_ranks(all_reduce, policy.params)
     return _step(policy, settings, acc, num_seqs, num_tokens, num_computed)
@@ -259,35 +277,90 @@ class _Gap:
     kl: float  # sum (rollout - trainer)
 
 
-def _micro_batch(
+@dataclass(frozen=True)
+class _Normalisers:
+    num_tokens: int  # every response token of the batch (all ranks)
+    num_seqs: int  # every response of the batch (all ranks)
+
+
+def _backward_unshared(
     policy: Policy,
-    chunk: list[Sample],
+    computed: list[Sample],
     settings: UpdateSettings,
-    num_tokens: int,
-    num_seqs: int,
+    norm: _Normalisers,
+    acc: _Accumulator,
+) -> None:
+    """Micro-batches of whole sequences, each prompt left-padded and recomputed."""
+    device = next(policy.model.parameters()).device
+    for chunk in _micro_batches(computed, settings.micro_batch_size):
+        batch = collate(chunk, policy.tokenizer.pad_token_id).to(device)
+        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
+        if not _backward(_loss(policy, logits, batch, settings, norm), acc):
+            return
+
+
+def _backward_shared(
+    policy: Policy,
+    computed: list[Sample],
+    settings: UpdateSettings,
+    norm: _Normalisers,
+    acc: _Accumulator,
+) -> None:
+    """Per group of one prompt: the prompt once, its responses in chunks over its cache."""
+    device = next(policy.model.parameters()).device
+    pad_id = policy.tokenizer.pad_token_id
+    for group in prompt_groups(computed):
+        prompt = run_prompt(policy.model, group[0].prompt_ids, policy.autocast_dtype)
+        for start in range(0, len(group), settings.micro_batch_size):
+            chunk = group[start : start + settings.micro_batch_size]
+            batch = collate(chunk, pad_id).to(device)  # the full rows only feed a KL reference
+            r = batch.responses
+            logits = prefix.response_logits(
+                policy.model, prompt, r.targets, r.mask, policy.autocast_dtype
+            )  # (m, R, V)
+            if not _backward(_loss(policy, logits, batch, settings, norm), acc):
+                return
+        prompt.backward()
+
+
+def _backward(result: tuple[LossOutput, _Gap], acc: _Accumulator) -> bool:
+    """Back-propagate one micro-batch's loss; False (and nothing done) when it is not finite."""
+    out, gap = result
+    if not torch.isfinite(out.loss):
+        acc.finite = False
+        return False
+    out.loss.backward()
+    acc.add(out, gap)
+    return True
+
+
+def _loss(
+    policy: Policy,
+    logits: torch.Tensor,  # (B, R, V) predicting each response token
+    batch: Batch,
+    settings: UpdateSettings,
+    norm: _Normalisers,
 ) -> tuple[LossOutput, _Gap]:
     """The loss of one micro-batch, normalised by the whole batch's counts, and its gap."""
-    model = policy.model
-    batch = collate(chunk, policy.tokenizer.pad_token_id).to(next(model.parameters()).device)
-    logits = response_logits(model, batch, policy.autocast_dtype)  # (B, R, V)
-    logprobs = token_logprobs(logits, batch.targets, settings.temperature)  # (B, R)
+    r = batch.responses
+    logprobs = token_logprobs(logits, r.targets, settings.temperature)  # (B, R)
     trainer = logprobs.detach()
-    old = trainer if settings.old_logprobs is OldLogprobs.TRAINER else batch.old_logprobs
+    old = trainer if settings.old_logprobs is OldLogprobs.TRAINER else r.old_logprobs
     weights = None
     if settings.tis_cap > 0:
-        weights = truncated_is_weights(trainer, batch.old_logprobs, batch.mask, settings.tis_cap)
+        weights = truncated_is_weights(trainer, r.old_logprobs, r.mask, settings.tis_cap)
     ref_logprobs = None
     if settings.kl_coef > 0:
         ref_logits = reference_logits(policy, batch)
-        ref_logprobs = token_logprobs(ref_logits, batch.targets, settings.temperature)
+        ref_logprobs = token_logprobs(ref_logits, r.targets, settings.temperature)
     entropy = (
         entropy_from_logits(logits, settings.temperature) if settings.entropy_coef > 0 else None
     )
     out = ppo_clip_loss(
         logprobs,
         old,
-        batch.advantages,
-        batch.mask,
+        r.advantages,
+        r.mask,
         clip_low=settings.clip_low,
         clip_high=settings.clip_high,
         aggregation=settings.aggregation,
@@ -296,10 +369,10 @@ def _micro_batch(
         entropy=entropy,
         entropy_coef=settings.entropy_coef,
         is_weights=weights,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
+        num_tokens=norm.num_tokens,
+        num_seqs=norm.num_seqs,
     )
-    return out, _gap(trainer, batch.old_logprobs, batch.mask)
+    return out, _gap(trainer, r.old_logprobs, r.mask)
 
 
 def _gap(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Gap:

@@ -1,0 +1,139 @@
+"""Prefix-shared groups in the update: the same loss and gradients as recomputing every prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from atgrpo.config import load_config
+from atgrpo.loss import LossAggregation
+from atgrpo.policies import Policy, build_policies
+from atgrpo.prefix import prompt_groups
+from atgrpo.records import Sample
+from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+from conftest import REPO
+from helpers import UPDATE_DEFAULTS
+
+CONFIGS = REPO / "configs"
+# No gradient clipping: a clipped gradient would hide a difference of scale.
+SHARED = UpdateSettings(
+    1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 4, 1e9, **UPDATE_DEFAULTS
+)
+UNSHARED = dataclasses.replace(SHARED, share_prefix=False)
+
+
+def _policy(tmp_path: Path, config: str, *overrides: str) -> Policy:
+    cfg = load_config(CONFIGS / config, [f"run.output_dir={tmp_path}", *overrides])
+    return next(iter(build_policies(cfg).values()))
+
+
+def _groups(policy: Policy, prompt_lengths: tuple[int, ...], k: int) -> list[Sample]:
+    """K responses of different lengths to each of several prompts of different lengths."""
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for g, p in enumerate(prompt_lengths):
+        prompt = torch.randint(3, 250, (p,), generator=gen).tolist()
+        for b in range(k):
+            r = 1 + (g + 2 * b) % 6  # 1..6 tokens, a one-token response among them
+            response = torch.randint(3, 250, (r,), generator=gen).tolist()
+            advantage = float(torch.randn((), generator=gen))
+            samples.append(
+                Sample(g, g, "planner", 0, b, policy.policy_id, prompt, response, [-5.0] * r,
+                       0.0, 0.0, 0.0, True, advantage=advantage)
+            )  # fmt: skip
+    return samples
+
+
+def _step(
+    policy: Policy, samples: list[Sample], settings: UpdateSettings
+) -> tuple[UpdateStats, list[torch.Tensor]]:
+    """The update's statistics and the gradient it would step with (the step not taken)."""
+    grads: list[torch.Tensor] = []
+
+    def capture(*args: object, **kwargs: object) -> None:
+        grads.extend(p.grad.clone() for p in policy.params if p.grad is not None)
+
+    policy.optimizer.step = capture  # type: ignore[method-assign]
+    with warnings.catch_warnings():  # torch notices the replaced step
+        warnings.simplefilter("ignore", UserWarning)
+        stats = ppo_update(policy, samples, settings)
+    assert not stats.skipped, stats.reason
+    assert len(grads) == len(policy.params)
+    return stats, grads
+
+
+def _assert_same(
+    policy: Policy, samples: list[Sample], shared: UpdateSettings, atol: float = 1e-5
+) -> UpdateStats:
+    unshared = dataclasses.replace(shared, share_prefix=False)
+    got, got_grads = _step(policy, samples, shared)
+    want, want_grads = _step(policy, samples, unshared)
+    assert got.loss == pytest.approx(want.loss, abs=atol)
+    assert got.pg_loss == pytest.approx(want.pg_loss, abs=atol)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=atol, rtol=1e-4)
+    assert max(float(w.abs().max()) for w in want_grads) > 1e-4  # a real gradient
+    return got
+
+
+@pytest.mark.parametrize("aggregation", list(LossAggregation))
+def test_shared_prompts_give_the_unshared_loss_and_gradients(
+    tmp_path: Path, aggregation: LossAggregation
+) -> None:
+    policy = _policy(tmp_path, "tiny.yaml")
+    samples = _groups(policy, prompt_lengths=(5, 17, 11), k=3)  # one micro-batch holds 2 groups
+    stats = _assert_same(policy, samples, dataclasses.replace(SHARED, aggregation=aggregation))
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-6)  # trainer old log-probs: ratio 1
+
+
+def test_a_group_split_into_response_chunks_over_one_cached_prompt(tmp_path: Path) -> None:
+    policy = _policy(tmp_path, "tiny.yaml")
+    samples = _groups(policy, prompt_lengths=(9, 13), k=5)
+    _assert_same(policy, samples, dataclasses.replace(SHARED, micro_batch_size=2))  # 3 chunks
+
+
+def test_shared_prompts_train_a_lora_policy_alike(tmp_path: Path) -> None:
+    policy = _policy(tmp_path, "tiny-lora.yaml")
+    assert policy.adapter is not None
+    with torch.no_grad():  # a fresh adapter has B = 0, so A would get no gradient
+        for p in policy.params:
+            p.add_(0.1 * torch.randn_like(p))
+    _assert_same(policy, _groups(policy, prompt_lengths=(7, 12), k=3), SHARED)
+
+
+def test_with_entropy_and_kl_terms(tmp_path: Path) -> None:
+    policy = _policy(tmp_path, "tiny.yaml", "algo.kl_coef=0.1")
+    with torch.no_grad():  # move away from the reference so the KL term has a gradient
+        for p in policy.params:
+            p.add_(0.01 * torch.randn_like(p))
+    settings = dataclasses.replace(SHARED, kl_coef=0.1, entropy_coef=0.01)
+    stats = _assert_same(policy, _groups(policy, prompt_lengths=(6, 10), k=3), settings)
+    assert stats.kl > 0.0 and stats.entropy > 0.0
+
+
+def test_under_bf16_autocast_the_ratio_is_one_and_gradients_agree(tmp_path: Path) -> None:
+    policy = _policy(tmp_path, "tiny.yaml", "model.precision=bf16_autocast")
+    assert policy.autocast_dtype is torch.bfloat16
+    samples = _groups(policy, prompt_lengths=(8, 14), k=3)
+    shared, shared_grads = _step(policy, samples, SHARED)
+    _, unshared_grads = _step(policy, samples, UNSHARED)
+    assert shared.ratio_mean == pytest.approx(1.0, abs=1e-3) and shared.clip_frac == 0.0
+    # bf16 rounds the two computations differently: compare the whole gradient's direction
+    # and size (elementwise, a few of the smallest entries differ by more than 1 %).
+    got = torch.cat([g.flatten() for g in shared_grads])
+    want = torch.cat([w.flatten() for w in unshared_grads])
+    print(f"bf16: relative error {float((got - want).norm() / want.norm()):.2e}")
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    assert float(torch.nn.functional.cosine_similarity(got, want, dim=0)) > 0.999
+
+
+def test_prompt_groups_keep_identical_prompts_together() -> None:
+    def s(prompt: list[int]) -> Sample:
+        return Sample(0, 0, "a", 0, 0, "p", prompt, [1], [0.0], 0.0, 0.0, 0.0, True)
+
+    a, b, c = s([1, 2]), s([1, 2, 3]), s([1, 2])
+    assert prompt_groups([a, b, c]) == [[a, c], [b]]
