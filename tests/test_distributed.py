@@ -235,7 +235,7 @@ def _batch(policy: Any) -> list[Sample]:
     """Seven samples of three prompts of different lengths, advantages of both signs."""
     tok = policy.tokenizer
     torch.manual_seed(0)
-    engine = HFGenerator(policy.model, tok)
+    engine = HFGenerator(policy.model, tok, share_prefill=True)
     samples = []
     for i, text in enumerate(["Moves?", "Where is the goal, planner?", "Go"]):
         prompt = tok(text, add_special_tokens=False)["input_ids"]

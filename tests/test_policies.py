@@ -132,7 +132,7 @@ def test_l2_generation_uses_each_agents_adapter(lora_policies: dict[str, Policy]
         )
         return gen[0].token_ids
 
-    engine = HFGenerator(tool.model, tool.tokenizer)
+    engine = HFGenerator(tool.model, tool.tokenizer, share_prefill=True)
     with tool.model.disable_adapter():
         out = engine.generate([prompt], max_new_tokens=12, temperature=None, top_k=0, top_p=1.0)
         base = out[0].token_ids

@@ -37,7 +37,9 @@ def _samples(policy: Policy, advantages: list[float], seed: int = 0) -> list[Sam
     prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in ("Moves?", "Go: R")]
     batch = [prompts[k % 2] for k in range(len(advantages))]
     torch.manual_seed(seed)
-    engine = HFGenerator(policy.model, tok, autocast_dtype=policy.autocast_dtype)
+    engine = HFGenerator(
+        policy.model, tok, share_prefill=True, autocast_dtype=policy.autocast_dtype
+    )
     gens = engine.generate(batch, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
     return [
         Sample(0, 0, "planner", 0, k, "shared", p, g.token_ids, g.logprobs, 0.0, 0.0, 0.0, True,

