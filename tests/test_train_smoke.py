@@ -55,6 +55,8 @@ def test_two_steps_train_write_metrics_and_checkpoint_then_resume(tmp_path: Path
     first = json.loads(lines[0])
     assert "reward/tool/mean" in first and "reward/planner/mean" in first
     assert first["loss/skipped"] == 0.0
+    assert first["groups/planner/t0/count"] == 2.0  # one group per task (docs/outputs.md)
+    assert first["perf/step_s"] >= first["perf/rollout_s"] >= first["perf/programs_s"] > 0.0
     ckpt = cfg.run_dir / "checkpoints" / "step-000002"
     assert (ckpt / "policy-shared" / "model.safetensors").is_file()
     assert (ckpt / "policy-shared" / "optim.pt").is_file()
@@ -159,7 +161,7 @@ def _samples(policy, advantage: float, n: int = 4) -> list[Sample]:
     from atgrpo.generation import HFGenerator
 
     torch.manual_seed(0)
-    gens = HFGenerator(policy.model, tok).generate(
+    gens = HFGenerator(policy.model, tok, share_prefill=True).generate(
         [prompt] * n, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0
     )
     return [
@@ -230,6 +232,8 @@ def test_cli_trains_and_evaluates_a_checkpoint(
     assert main(["train", *args]) == 0
     assert (tmp_path / "cli" / "samples.jsonl").is_file()
     assert main(["eval", *args, "--checkpoint", str(tmp_path / "cli"), "--num-tasks", "2"]) == 0
+    results = tmp_path / "cli" / "checkpoints" / "step-000001" / "eval-test.json"
+    assert json.loads(results.read_text())["num_tasks"] == 2  # next to the checkpoint
     out = capsys.readouterr().out
     assert "step   1/1" in out
     assert "success" in out and "on 2 test tasks" in out

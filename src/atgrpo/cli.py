@@ -5,6 +5,7 @@ atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B
 atgrpo compare FILE [--output-dir DIR] [--num-tasks N]   methods x benchmarks success table
 atgrpo models prepare [--force]
 atgrpo config CONFIG [key=value ...]        print the resolved config
+atgrpo report RUN [RUN ...] [--out PATH]     one offline report.html: curves and rollouts
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from atgrpo.envs import make_env
-    from atgrpo.metrics import step_summary
     from atgrpo.policies import describe_regime, resolve_routing
     from atgrpo.train import train
 
@@ -80,7 +80,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
         f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
     )
-    agents: tuple[str, ...] = ()
     with Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -92,15 +91,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         bar = progress.add_task("training", total=cfg.train.steps)
 
         def on_step(step: int, metrics: dict[str, float]) -> None:
-            nonlocal agents
-            if not agents:
-                agents = tuple(
-                    k.split("/")[1]
-                    for k in metrics
-                    if k.startswith("reward/") and k.endswith("/mean")
-                )
-            progress.console.print(step_summary(step, cfg.train.steps, metrics, agents))
-            mean = sum(metrics.get(f"reward/{a}/mean", 0.0) for a in agents) / max(1, len(agents))
+            # The step's line is the console logger's (run.loggers); here only the bar moves.
+            rewards = [
+                v for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/mean")
+            ]
+            mean = sum(rewards) / max(1, len(rewards))
             success = metrics.get("rollout/success", 0.0)
             progress.update(
                 bar, completed=step, description=f"reward {mean:+.2f} success {success:.2f}"
@@ -120,10 +115,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from atgrpo import checkpoint as ckpt
     from atgrpo.envs import Split, make_env
+    from atgrpo.evaluate import eval_json_path, write_eval_json
     from atgrpo.policies import swapped_routing
     from atgrpo.runtime import build_runtime, seed_everything
 
     cfg = load_config(args.config, args.overrides)
+    suffix = ""  # a swapped-roles evaluation never overwrites the plain one
     if args.swap:
         pair = tuple(a.strip() for a in args.swap.split(","))
         if len(pair) != 2:
@@ -131,6 +128,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         agents = make_env(cfg.env).possible_agents
         swap = swapped_routing(cfg, agents, (pair[0], pair[1]))
         cfg = load_config(args.config, [*args.overrides, *swap])
+        suffix = f"-swap-{pair[0]}-{pair[1]}"
     checkpoint = ckpt.resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     seed_everything(cfg.run.seed)
     rt = build_runtime(cfg, checkpoint)
@@ -140,6 +138,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     finally:
         rt.close()
     _print_eval(f"{checkpoint or cfg.model.path} ({routing})", report)
+    out = write_eval_json(report, eval_json_path(report.split, checkpoint, cfg.run_dir, suffix))
+    console.print(f"per-task results: {out}")
     return 0
 
 
@@ -189,6 +189,18 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from atgrpo.report import ReportError, write_report
+
+    try:
+        out = write_report([Path(r) for r in args.runs], Path(args.out) if args.out else None)
+    except ReportError as exc:  # a missing run folder, or one without metrics.jsonl
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    console.print(f"report: {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atgrpo", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -229,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("report", help="write one self-contained report.html of one or more runs")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/demo-...")
+    p.add_argument("--out", help="where the page goes (default: <first run>/report.html)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

@@ -60,6 +60,31 @@ class Precision(enum.StrEnum):
     BF16_AUTOCAST = "bf16_autocast"
 
 
+class LoggerKind(enum.StrEnum):
+    """Where a run's per-step metrics go (docs/outputs.md)."""
+
+    CONSOLE = "console"  # one summary line per step on stdout
+    JSONL = "jsonl"  # <run_dir>/metrics.jsonl, what `atgrpo report` reads
+    TENSORBOARD = "tensorboard"  # <run_dir>/tensorboard/ event files
+    WANDB = "wandb"  # Weights & Biases (the `wandb` extra)
+
+
+class WandbMode(enum.StrEnum):
+    OFFLINE = "offline"  # written under <run_dir>/wandb/, `wandb sync` uploads it later
+    ONLINE = "online"
+    DISABLED = "disabled"
+
+
+class WandbConfig(_Section):
+    """Weights & Biases, when ``run.loggers`` lists ``wandb``; the run is named ``run.name``."""
+
+    project: str = Field("atgrpo", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (user or team); null = default.")
+    mode: WandbMode = Field(
+        WandbMode.OFFLINE, description="offline (no network; `wandb sync` later), online, disabled."
+    )
+
+
 class RunConfig(_Section):
     name: str = Field("run", description="Run name; outputs go to <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder that holds one sub-folder per run.")
@@ -67,6 +92,14 @@ class RunConfig(_Section):
     log_samples: int = Field(
         2, ge=0, description="Tasks per step whose samples (texts, rewards) go to samples.jsonl."
     )
+    loggers: list[LoggerKind] = Field(
+        default_factory=lambda: [LoggerKind.CONSOLE, LoggerKind.JSONL],
+        description=(
+            "Where per-step metrics go: console, jsonl (metrics.jsonl, read by `atgrpo report`), "
+            "tensorboard (<run_dir>/tensorboard/), wandb (run.wandb; the `wandb` extra)."
+        ),
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)  # type: ignore[arg-type]
 
 
 class ModelConfig(_Section):

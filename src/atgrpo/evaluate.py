@@ -16,12 +16,15 @@ in :attr:`EvalReport.note`, never hidden.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,6 +51,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+EVAL_SCHEMA = 1  # the "schema" field of eval-<split>.json (docs/outputs.md)
+
+
+@dataclass
+class TaskResult:
+    """How one held-out task went over its n episodes."""
+
+    task_id: int
+    seed: int
+    instance_key: str | None  # the env's instance_key at reset time; None if it has none
+    successes: int  # c: episodes solved
+    episodes: int  # n
+    team_return: float  # mean over the episodes of the team reward after the last action
+
+
 @dataclass
 class EvalReport:
     split: str
@@ -60,6 +78,7 @@ class EvalReport:
     pass_at: dict[int, float] = field(default_factory=dict)  # k -> pass@k (n > 1 only)
     requested_tasks: int | None = None  # tasks asked for; more than num_tasks on a short split
     note: str = ""  # one line for the caller to print when fewer tasks than asked were scored
+    tasks: list[TaskResult] = field(default_factory=list)  # per task, in task_id order
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {
@@ -75,6 +94,42 @@ class EvalReport:
         for agent, v in self.mean_reward.items():
             out[f"{prefix}reward/{agent}"] = v
         return out
+
+
+def instance_key(env: MultiAgentEnv) -> str | None:
+    """The env's ``instance_key`` (which instance it was reset to) as text; None if it has none."""
+    key = getattr(env, "instance_key", None)
+    return None if key is None else str(key)
+
+
+def eval_json_path(split: str, checkpoint: Path | None, run_dir: Path, suffix: str = "") -> Path:
+    """``<checkpoint>/eval-<split><suffix>.json``; the run folder for an untrained baseline."""
+    return (checkpoint or run_dir) / f"eval-{split}{suffix}.json"
+
+
+def eval_record(report: EvalReport) -> dict[str, Any]:
+    """The eval-<split>.json object of ``report`` (docs/outputs.md)."""
+    return {
+        "schema": EVAL_SCHEMA,
+        "split": report.split,
+        "num_tasks": report.num_tasks,
+        "samples_per_task": report.samples_per_task,
+        "success_rate": report.success_rate,
+        "mean_team_return": report.mean_team_return,
+        "pass_at": {str(k): v for k, v in report.pass_at.items()},
+        "valid_rate": report.valid_rate,
+        "note": report.note,
+        "tasks": [asdict(t) for t in report.tasks],
+    }
+
+
+def write_eval_json(report: EvalReport, path: Path) -> Path:
+    """Write ``report`` to ``path`` whole or not at all (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(eval_record(report), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
 
 
 class HeldOutTasks(NamedTuple):
@@ -158,6 +213,7 @@ def evaluate(
     envs, seeds, note = held_out_tasks(cfg, split, num_tasks)
     n = cfg.eval.samples_per_task
     settings = eval_rollout_settings(cfg, envs[0].possible_agents)
+    keys = [instance_key(env) for env in envs]  # before the rollout moves the envs on
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)
         rollout = collect_rollout(
@@ -180,6 +236,13 @@ def evaluate(
     for e in episodes:
         solved[e.task_id] += int(e.success)
     ks = sorted({k for k in cfg.eval.pass_k if k <= n} | {n}) if n > 1 else []
+    returns: dict[int, list[float]] = defaultdict(list)
+    for e in episodes:
+        returns[e.task_id].append(e.team_return)
+    tasks = [
+        TaskResult(i, seed, keys[i], solved[i], len(returns[i]), sum(returns[i]) / len(returns[i]))
+        for i, seed in enumerate(seeds)
+    ]
     return EvalReport(
         split=split.value,
         num_tasks=len(seeds),
@@ -191,4 +254,5 @@ def evaluate(
         pass_at={k: sum(pass_at_k(n, c, k) for c in solved) / len(solved) for k in ks},
         requested_tasks=num_tasks,
         note=note,
+        tasks=tasks,
     )

@@ -30,6 +30,9 @@ class Sample:
     kept: bool = False  # tree sampling: this branch was selected to continue the episode
     advantage: float = 0.0
     response_text: str = field(default="", repr=False)
+    # The observation messages the prompt was encoded from, "<role>: <content>" per line: what
+    # samples.jsonl shows, since decoding prompt_ids would show the chat template instead.
+    prompt_text: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -57,3 +60,5 @@ class Rollout:
     # For reports: for each (task_id, agent_id, turn_idx) the branch that was kept.
     kept_branches: dict[tuple[int, str, int], int] = field(default_factory=dict)
     lookahead_s: float = 0.0  # time spent crediting deferring agents (docs/algorithm.md)
+    # Time spent stepping envs (which runs the sandboxed programs), lookahead probes included.
+    programs_s: float = 0.0

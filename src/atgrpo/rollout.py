@@ -77,6 +77,23 @@ def _step(env: MultiAgentEnv, action: str) -> StepOutcome:
     return env.step(action)
 
 
+@dataclass
+class _TimedStepper:
+    """Adds up the wall time of every env step (the sandboxed programs run inside them)."""
+
+    inner: EnvStepper
+    seconds: float = 0.0
+
+    def step(
+        self, envs: list[MultiAgentEnv], actions: list[str]
+    ) -> tuple[list[MultiAgentEnv], list[StepOutcome]]:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.step(envs, actions)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     """How one rollout samples; built from the config in one place (:mod:`atgrpo.settings`)."""
@@ -122,7 +139,7 @@ def collect_rollout(
     applies the actions to the envs; ``pool`` is short for ``stepper=ThreadStepper(pool)``
     (give exactly one of the two).
     """
-    stepper = _one_stepper(stepper, pool)
+    timed = _TimedStepper(_one_stepper(stepper, pool))  # perf/programs_s
     if settings.tree:
         slots = [_Slot(i, s, 0, env) for i, (env, s) in enumerate(zip(envs, seeds, strict=True))]
         width = settings.width
@@ -152,7 +169,7 @@ def collect_rollout(
                     policy_of,
                     encode,
                     settings,
-                    stepper,
+                    timed,
                     kept,
                     clock,
                 )
@@ -162,7 +179,11 @@ def collect_rollout(
         for s in slots
     ]
     return Rollout(
-        samples=samples, episodes=episodes, kept_branches=kept, lookahead_s=clock["lookahead_s"]
+        samples=samples,
+        episodes=episodes,
+        kept_branches=kept,
+        lookahead_s=clock["lookahead_s"],
+        programs_s=timed.seconds,
     )
 
 
@@ -188,7 +209,7 @@ def _step_agent(
 ) -> list[Sample]:
     """One agent acts in every slot: K samples per slot, each on its own env copy."""
     engine = _Engine(generators, policy_of, encode, settings)
-    prompts, generations = engine.sample(agent_id, [slot.env for slot in slots], width)
+    prompts, texts, generations = engine.sample(agent_id, [slot.env for slot in slots], width)
     copies = [slot.env.clone() for slot in slots for _ in range(width)]
     branches, outcomes = _apply(stepper, copies, [g.text for g in generations])
     t0 = time.perf_counter()
@@ -220,6 +241,7 @@ def _step_agent(
                     reward=reward,
                     valid=out.valid,
                     response_text=gen.text,
+                    prompt_text=texts[i],
                 )
             )
         best = max(range(width), key=lambda k: rewards[k])  # first of equals on ties
@@ -242,15 +264,20 @@ class _Engine:
 
     def sample(
         self, agent_id: str, envs: list[MultiAgentEnv], width: int
-    ) -> tuple[list[list[int]], list[Generation]]:
-        """``width`` responses of ``agent_id`` per env, K in a row, in one batched call."""
+    ) -> tuple[list[list[int]], list[str], list[Generation]]:
+        """``width`` responses of ``agent_id`` per env, K in a row, in one batched call.
+
+        Returns each env's prompt ids, its observation as text (:func:`prompt_text`) and the
+        responses.
+        """
         if agent_id not in self.policy_of:
             raise KeyError(
                 f"agent {agent_id!r} has no policy; known agents: {sorted(self.policy_of)}"
             )
         policy_id = self.policy_of[agent_id]
         encoder = self.encode[policy_id] if isinstance(self.encode, Mapping) else self.encode
-        prompts = [encoder(env.observe(agent_id)) for env in envs]
+        observations = [env.observe(agent_id) for env in envs]
+        prompts = [encoder(messages) for messages in observations]
         batch = [p for p in prompts for _ in range(width)]  # (envs * K) prompts, K in a row
         s = self.settings
         generations = self.generators[policy_id].generate(
@@ -260,7 +287,12 @@ class _Engine:
             top_k=s.top_k,
             top_p=s.top_p,
         )
-        return prompts, generations
+        return prompts, [prompt_text(m) for m in observations], generations
+
+
+def prompt_text(messages: list[Message]) -> str:
+    """The observation as plain text, one ``<role>: <content>`` per message."""
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
 def _apply(
@@ -299,7 +331,7 @@ def _lookahead_team(
         for j, env in pending.items():
             by_agent.setdefault(env.agent_selection, []).append(j)
         for next_agent, idx in by_agent.items():
-            _, generations = engine.sample(next_agent, [pending[j] for j in idx], 1)
+            _, _, generations = engine.sample(next_agent, [pending[j] for j in idx], 1)
             stepped, outcomes = _apply(
                 stepper, [pending[j] for j in idx], [g.text for g in generations]
             )

@@ -5,33 +5,43 @@
         rollout    <- tree sampling: per turn, per agent, K branches on env copies, keep the best
         advantages <- normalise rewards within (task, agent, turn) groups
         update     <- per policy, PPO-clip over its own samples, one optimizer step
-        log, maybe evaluate on validation tasks, maybe checkpoint
+        maybe evaluate on validation tasks, maybe checkpoint, log (run.loggers)
 
 Launch: ``atgrpo train configs/demo.yaml`` (``--resume`` to continue a killed run). Every
 implementation choice (envs, policies and their regime L0-L3, generators, routing, settings,
 and where policies live: this process or Ray worker groups, ``backend``) is made once, in
 :func:`atgrpo.runtime.build_runtime`, before the loop; the rollout, advantage and update
-settings come from :mod:`atgrpo.settings`.
+settings come from :mod:`atgrpo.settings`, and the loggers of ``run.loggers`` from
+:func:`atgrpo.tracking.build_loggers`. What a run writes is listed in docs/outputs.md.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.advantage import AdvantageStats, Grouping, assign_advantages
-from atgrpo.config import Config, Sampling, dump_config
+from atgrpo.config import BackendKind, Config, Sampling, dump_config
 from atgrpo.envs import Split, make_env, split_seeds
-from atgrpo.evaluate import EvalReport
-from atgrpo.metrics import JsonlSink, log_samples, rollout_metrics
+from atgrpo.evaluate import EvalReport, instance_key
+from atgrpo.metrics import (
+    group_metrics,
+    log_samples,
+    perf_metrics,
+    rollout_metrics,
+    sample_records,
+)
 from atgrpo.policies import route_samples
 from atgrpo.records import Rollout, Sample
 from atgrpo.rollout import collect_rollout
 from atgrpo.runtime import Learner, Runtime, build_runtime, seed_everything
 from atgrpo.settings import advantage_settings, train_rollout_settings, update_settings
+from atgrpo.tracking import Loggers, build_loggers
 from atgrpo.update import UpdateStats
 
 
@@ -50,7 +60,8 @@ def _step_seed(run_seed: int, step: int) -> int:
     return (run_seed * 1_000_003 + step * 7_919) % 2**62
 
 
-def _collect(rt: Runtime, step: int) -> Rollout:
+def _collect(rt: Runtime, step: int) -> tuple[Rollout, list[str | None]]:
+    """The step's rollout, and each task's instance key (for samples.jsonl)."""
     cfg = rt.cfg
     b = cfg.rollout.num_tasks
     seeds = split_seeds(Split.TRAIN, b, start=step * b)
@@ -59,7 +70,8 @@ def _collect(rt: Runtime, step: int) -> Rollout:
         env = make_env(cfg.env)
         env.reset(seed=seed, options={"split": Split.TRAIN.value})
         envs.append(env)
-    return collect_rollout(
+    keys = [instance_key(env) for env in envs]
+    rollout = collect_rollout(
         envs,
         seeds,
         generators=rt.generators,
@@ -68,6 +80,7 @@ def _collect(rt: Runtime, step: int) -> Rollout:
         settings=train_rollout_settings(cfg, rt.agents),
         stepper=rt.stepper,
     )
+    return rollout, keys
 
 
 def policy_metrics(
@@ -109,71 +122,147 @@ def sync_engines(rt: Runtime, updates: dict[str, UpdateStats]) -> None:
 Callback = Callable[[int, dict[str, float]], None]
 
 
-def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) -> TrainResult:
-    """Train ``cfg`` to ``cfg.train.steps`` steps; ``resume`` continues from the last checkpoint."""
+@dataclass
+class _Stages:
+    """Wall time per stage of one step."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def time(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+
+def num_gpus(cfg: Config) -> int:
+    """The GPUs a run trains on, for ``perf/tokens_per_s``: 1 in-process (one device, GPU or
+    CPU); with Ray, the GPUs its worker groups reserve (at least 1)."""
+    if cfg.backend.kind is not BackendKind.RAY:
+        return 1
+    from atgrpo.distributed.layout import group_resources, worker_groups  # imports no ray
+
+    reserved = 0.0
+    for policy_ids in worker_groups(cfg).values():
+        group = group_resources(cfg, policy_ids)
+        reserved += group.num_workers * group.num_gpus
+    return max(1, math.ceil(reserved))
+
+
+def _train_step(rt: Runtime, step: int) -> tuple[dict[str, float], Path | None]:
+    """One step: rollout, advantages, update, samples.jsonl, maybe evaluate and checkpoint.
+
+    Returns the step's metrics and the checkpoint it wrote (None when it wrote none).
+    """
+    cfg = rt.cfg
+    stages = _Stages()
+    with stages.time("step"):
+        seed_everything(_step_seed(cfg.run.seed, step))
+        with stages.time("rollout"):
+            rollout, keys = _collect(rt, step)
+        with stages.time("update"):
+            adv_stats = _advantages(cfg, rollout.samples)
+            updates = update_policies(rt, rollout.samples)
+            sync_engines(rt, updates)
+        _log_samples(cfg, step, rollout, keys)
+        metrics = rollout_metrics(rollout)
+        metrics.update(adv_stats.metrics())
+        metrics.update(group_metrics(rollout.samples, cfg.algo.grouping))
+        metrics.update(policy_metrics(rt.learners, updates))
+        metrics["rollout/prompts_truncated"] = float(rt.take_truncations())
+        with stages.time("eval"):
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                metrics.update(rt.evaluate(Split.VALIDATION, cfg.eval.num_tasks).metrics())
+        with stages.time("checkpoint"):
+            saved = _maybe_checkpoint(rt, step, metrics)
+    metrics.update(perf_metrics(stages.seconds, rollout, num_gpus(cfg)))
+    return metrics, saved
+
+
+def _log_samples(cfg: Config, step: int, rollout: Rollout, keys: list[str | None]) -> None:
+    """samples.jsonl: the first run.log_samples tasks of the step (docs/outputs.md)."""
+    records = sample_records(
+        step,
+        rollout,
+        num_tasks=cfg.run.log_samples,
+        grouping=cfg.algo.grouping,
+        tree=cfg.rollout.sampling is Sampling.TREE,
+        instance_keys=keys,
+    )
+    log_samples(cfg.run_dir / "samples.jsonl", records)
+
+
+def _maybe_checkpoint(rt: Runtime, step: int, metrics: dict[str, float]) -> Path | None:
+    cfg = rt.cfg
+    last = step == cfg.train.steps
+    if not (last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
+        return None
+    state = {"routing": rt.policy_of, "metrics": dict(metrics)}  # without the stage timings
+    savers = {pid: learner.save for pid, learner in rt.learners.items()}
+    return ckpt.save_checkpoint(cfg.run_dir, step, savers, state, cfg.checkpoint.keep)
+
+
+def _prepare_run_dir(cfg: Config, resume: bool) -> Path | None:
+    """Refuse to overwrite a run; write config.yaml; the checkpoint to resume from, if any."""
     run_dir = cfg.run_dir
     start_ckpt = ckpt.latest_checkpoint(run_dir) if resume else None
     if resume and start_ckpt is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
-    if not resume and (run_dir / "metrics.jsonl").exists():
+    started = (run_dir / "metrics.jsonl").exists() or ckpt.latest_checkpoint(run_dir) is not None
+    if not resume and started:
         raise FileExistsError(
-            f"run folder {run_dir} already has metrics; pass --resume to continue it or choose "
-            "another run.name"
+            f"run folder {run_dir} already has a run (metrics or checkpoints); pass --resume to "
+            "continue it or choose another run.name"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
+    return start_ckpt
+
+
+def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) -> TrainResult:
+    """Train ``cfg`` to ``cfg.train.steps`` steps; ``resume`` continues from the last checkpoint.
+
+    Every record goes to the loggers of ``run.loggers``; ``on_step(step, metrics)`` is called
+    after each training step's record (``atgrpo train`` moves its progress bar with it).
+    """
+    start_ckpt = _prepare_run_dir(cfg, resume)
     seed_everything(cfg.run.seed)
-    rt = build_runtime(cfg, start_ckpt)
+    loggers = build_loggers(cfg)  # before the models: a missing logger package fails at once
+    try:
+        rt = build_runtime(cfg, start_ckpt)
+        try:
+            return _run(rt, start_ckpt, loggers, on_step)
+        finally:
+            rt.close()
+    finally:
+        loggers.close()
+
+
+def _run(
+    rt: Runtime, start_ckpt: Path | None, loggers: Loggers, on_step: Callback | None
+) -> TrainResult:
+    cfg = rt.cfg
     start = 0
     if start_ckpt is not None:
         for learner in rt.learners.values():
             learner.restore(start_ckpt)
         ckpt.restore_rng(start_ckpt)
         start = int(ckpt.load_trainer_state(start_ckpt)["step"])
-    sink = JsonlSink(run_dir / "metrics.jsonl")
-    result = TrainResult(run_dir=run_dir, steps_done=start)
-    try:
-        if cfg.eval.before_training and start == 0:
-            result.eval_before = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
-            sink.log(0, result.eval_before.metrics("test/"))
-        for step in range(start + 1, cfg.train.steps + 1):
-            t0 = time.perf_counter()
-            seed_everything(_step_seed(cfg.run.seed, step))
-            rollout = _collect(rt, step)
-            t_rollout = time.perf_counter() - t0
-            adv_stats = _advantages(cfg, rollout.samples)
-            updates = update_policies(rt, rollout.samples)
-            sync_engines(rt, updates)
-            if cfg.run.log_samples:
-                log_samples(run_dir / "samples.jsonl", step, rollout, cfg.run.log_samples)
-            metrics = rollout_metrics(rollout)
-            metrics.update(adv_stats.metrics())
-            metrics.update(policy_metrics(rt.learners, updates))
-            metrics["rollout/prompts_truncated"] = float(rt.take_truncations())
-            metrics["perf/rollout_s"] = t_rollout
-            metrics["perf/lookahead_s"] = rollout.lookahead_s  # team credit (docs/algorithm.md)
-            # Sampled tokens per second of rollout (generation + env steps), all engines together.
-            sampled = sum(len(s.response_ids) for s in rollout.samples)
-            metrics["perf/rollout_tokens_per_s"] = sampled / max(t_rollout, 1e-9)
-            metrics["perf/update_s"] = time.perf_counter() - t0 - t_rollout
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                metrics.update(rt.evaluate(Split.VALIDATION, cfg.eval.num_tasks).metrics())
-            metrics["perf/step_s"] = time.perf_counter() - t0
-            sink.log(step, metrics)
-            result.history.append(metrics)
-            result.steps_done = step
-            if on_step is not None:
-                on_step(step, metrics)
-            last = step == cfg.train.steps
-            if last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                state = {"routing": rt.policy_of, "metrics": metrics}
-                savers = {pid: learner.save for pid, learner in rt.learners.items()}
-                result.checkpoint = ckpt.save_checkpoint(
-                    run_dir, step, savers, state, cfg.checkpoint.keep
-                )
-        if cfg.eval.after_training:
-            result.eval_after = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
-            sink.log(result.steps_done, result.eval_after.metrics("test/"))
-    finally:
-        rt.close()
+    result = TrainResult(run_dir=cfg.run_dir, steps_done=start)
+    if cfg.eval.before_training and start == 0:
+        result.eval_before = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
+        loggers.log(0, result.eval_before.metrics("test/"))
+    for step in range(start + 1, cfg.train.steps + 1):
+        metrics, saved = _train_step(rt, step)
+        loggers.log(step, metrics)
+        result.history.append(metrics)
+        result.steps_done = step
+        result.checkpoint = saved or result.checkpoint
+        if on_step is not None:
+            on_step(step, metrics)
+    if cfg.eval.after_training:
+        result.eval_after = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
+        loggers.log(result.steps_done, result.eval_after.metrics("test/"))
     return result
