@@ -57,7 +57,7 @@ def _samples(policy: Policy, agent_id: str, n: int = 4) -> list[Sample]:
     """n sampled responses of ``policy`` to one prompt, advantages +1 / -1."""
     prompt = policy.tokenizer("Moves?", add_special_tokens=False)["input_ids"]
     torch.manual_seed(0)
-    gens = PolicyGenerator(policy).generate(
+    gens = PolicyGenerator(policy, share_prefill=True).generate(
         [prompt] * n, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0
     )
     return [
@@ -127,7 +127,7 @@ def test_l2_generation_uses_each_agents_adapter(lora_policies: dict[str, Policy]
     prompt = tool.tokenizer("Where is the goal?", add_special_tokens=False)["input_ids"]
 
     def greedy(policy: Policy) -> list[int]:
-        gen = PolicyGenerator(policy).generate(
+        gen = PolicyGenerator(policy, share_prefill=True).generate(
             [prompt], max_new_tokens=12, temperature=None, top_k=0, top_p=1.0
         )
         return gen[0].token_ids

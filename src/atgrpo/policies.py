@@ -90,13 +90,13 @@ class PolicyGenerator:
     """The rollout engine of one policy: activates its adapter, then samples (HF backend)."""
 
     def __init__(
-        self, policy: Policy, max_batch_size: int | None = None, *, share_prefill: bool = True
+        self, policy: Policy, max_batch_size: int | None = None, *, share_prefill: bool
     ) -> None:
         self.policy = policy
         self.engine = HFGenerator(
             policy.model,
             policy.tokenizer,
-            share_prefill=share_prefill,  # rollout.share_prefill (True by default there too)
+            share_prefill=share_prefill,  # rollout.share_prefill
             autocast_dtype=policy.autocast_dtype,
             max_batch_size=max_batch_size,
         )
