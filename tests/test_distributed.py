@@ -66,6 +66,9 @@ FAST = (
     "rollout.max_new_tokens=8",
     "run.log_samples=2",
     "env.prime_answers=true",
+    # Every agent answers up to 8 tokens (tiny.yaml gives the planner 1), so lengths, and with
+    # them GradedPlanPath's rewards, spread in every group.
+    "rollout.max_new_tokens_per_agent={}",
 )
 LOSSES = ("loss", "pg_loss", "entropy", "clip_frac", "ratio_mean", "approx_kl", "grad_norm")
 
