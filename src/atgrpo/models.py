@@ -14,6 +14,7 @@ The cache is ``$ATGRPO_CACHE`` if set, else ``$XDG_CACHE_HOME/atgrpo``, else ``~
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -233,3 +234,10 @@ def bf16_supported() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def autocast_for(model: Any, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on the model's device, or nothing (fp32)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)

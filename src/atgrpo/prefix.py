@@ -20,7 +20,6 @@ The loss and every gradient equal the unshared computation's up to float roundin
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from atgrpo.generation.hf import cache_kwarg, unwrapped
+from atgrpo.models import autocast_for
 from atgrpo.records import Sample
 
 
@@ -41,13 +41,6 @@ def prompt_groups(samples: list[Sample]) -> list[list[Sample]]:
     for s in samples:
         groups.setdefault(tuple(s.prompt_ids), []).append(s)
     return list(groups.values())
-
-
-def autocast_for(model: Any, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast on the model's device, or nothing (fp32)."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
 
 
 @dataclass

@@ -151,7 +151,7 @@ def num_gpus(cfg: Config) -> int:
     return max(1, math.ceil(reserved))
 
 
-def _train_step(rt: Runtime, step: int) -> tuple[dict[str, float], Path | None]:
+def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Path | None]:
     """One step: rollout, advantages, update, samples.jsonl, maybe evaluate and checkpoint.
 
     Returns the step's metrics and the checkpoint it wrote (None when it wrote none).
@@ -177,7 +177,7 @@ def _train_step(rt: Runtime, step: int) -> tuple[dict[str, float], Path | None]:
                 metrics.update(rt.evaluate(Split.VALIDATION, cfg.eval.num_tasks).metrics())
         with stages.time("checkpoint"):
             saved = _maybe_checkpoint(rt, step, metrics)
-    metrics.update(perf_metrics(stages.seconds, rollout, num_gpus(cfg)))
+    metrics.update(perf_metrics(stages.seconds, rollout, gpus))
     return metrics, saved
 
 
@@ -254,8 +254,9 @@ def _run(
     if cfg.eval.before_training and start == 0:
         result.eval_before = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
         loggers.log(0, result.eval_before.metrics("test/"))
+    gpus = num_gpus(cfg)  # fixed by the config: the tokens/s denominator
     for step in range(start + 1, cfg.train.steps + 1):
-        metrics, saved = _train_step(rt, step)
+        metrics, saved = _train_step(rt, step, gpus)
         loggers.log(step, metrics)
         result.history.append(metrics)
         result.steps_done = step

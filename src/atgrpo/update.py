@@ -19,6 +19,7 @@ every rank takes the step one process would take on all the samples.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -37,8 +38,9 @@ from atgrpo.loss import (
     token_logprobs,
     truncated_is_weights,
 )
+from atgrpo.models import autocast_for
 from atgrpo.policies import Policy
-from atgrpo.prefix import autocast_for, prompt_groups, run_prompt
+from atgrpo.prefix import prompt_groups, run_prompt
 from atgrpo.records import Sample
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
@@ -60,6 +62,11 @@ class UpdateSettings:
     old_logprobs: OldLogprobs
     tis_cap: float  # 0: no truncated importance weights
     share_prefix: bool  # each group's prompt computed once, its KV cache shared (exact)
+
+    @property
+    def regularised(self) -> bool:
+        """A KL or entropy term is on: zero-advantage samples still have a gradient."""
+        return self.kl_coef > 0 or self.entropy_coef > 0
 
 
 @dataclass
@@ -245,8 +252,7 @@ def _update(
 
 def _has_signal(samples: list[Sample], settings: UpdateSettings) -> int:
     """1 when the loss has a gradient: a non-zero advantage, or a KL or entropy term."""
-    regularised = settings.kl_coef > 0 or settings.entropy_coef > 0
-    return int(bool(samples) and (regularised or any(s.advantage != 0.0 for s in samples)))
+    return int(bool(samples) and (settings.regularised or any(s.advantage != 0.0 for s in samples)))
 
 
 def _computed(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
@@ -255,8 +261,7 @@ def _computed(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
     A zero-advantage sample contributes 0 to the policy-gradient term; its KL and entropy
     terms are not 0, so nothing is skipped when either is on.
     """
-    regularised = settings.kl_coef > 0 or settings.entropy_coef > 0
-    if not settings.skip_zero_advantage or regularised:
+    if not settings.skip_zero_advantage or settings.regularised:
         return samples
     return [s for s in samples if s.advantage != 0.0]
 
@@ -295,7 +300,8 @@ def _backward_unshared(
     for chunk in _micro_batches(computed, settings.micro_batch_size):
         batch = collate(chunk, policy.tokenizer.pad_token_id).to(device)
         logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
-        if not _backward(_loss(policy, logits, batch, settings, norm), acc):
+        loss = _loss(policy, logits, batch.responses, settings, norm, full_rows=_given(batch))
+        if not _backward(loss, acc):
             return
 
 
@@ -313,12 +319,13 @@ def _backward_shared(
         prompt = run_prompt(policy.model, group[0].prompt_ids, policy.autocast_dtype)
         for start in range(0, len(group), settings.micro_batch_size):
             chunk = group[start : start + settings.micro_batch_size]
-            batch = collate(chunk, pad_id).to(device)  # the full rows only feed a KL reference
-            r = batch.responses
+            r = collate_responses(chunk, pad_id).to(device)
             logits = prefix.response_logits(
                 policy.model, prompt, r.targets, r.mask, policy.autocast_dtype
             )  # (m, R, V)
-            if not _backward(_loss(policy, logits, batch, settings, norm), acc):
+            # The full rows (prompt + response) are built only for a KL reference.
+            rows = functools.partial(_full_rows, chunk, pad_id, device)
+            if not _backward(_loss(policy, logits, r, settings, norm, full_rows=rows), acc):
                 return
         prompt.backward()
 
@@ -334,15 +341,23 @@ def _backward(result: tuple[LossOutput, _Gap], acc: _Accumulator) -> bool:
     return True
 
 
+def _given(batch: Batch) -> Callable[[], Batch]:
+    return lambda: batch
+
+
+def _full_rows(chunk: list[Sample], pad_id: int, device: torch.device) -> Batch:
+    return collate(chunk, pad_id).to(device)
+
+
 def _loss(
     policy: Policy,
     logits: torch.Tensor,  # (B, R, V) predicting each response token
-    batch: Batch,
+    r: Responses,
     settings: UpdateSettings,
     norm: _Normalisers,
+    full_rows: Callable[[], Batch],  # the micro-batch's prompt + response rows, on demand
 ) -> tuple[LossOutput, _Gap]:
     """The loss of one micro-batch, normalised by the whole batch's counts, and its gap."""
-    r = batch.responses
     logprobs = token_logprobs(logits, r.targets, settings.temperature)  # (B, R)
     trainer = logprobs.detach()
     old = trainer if settings.old_logprobs is OldLogprobs.TRAINER else r.old_logprobs
@@ -351,7 +366,7 @@ def _loss(
         weights = truncated_is_weights(trainer, r.old_logprobs, r.mask, settings.tis_cap)
     ref_logprobs = None
     if settings.kl_coef > 0:
-        ref_logits = reference_logits(policy, batch)
+        ref_logits = reference_logits(policy, full_rows())
         ref_logprobs = token_logprobs(ref_logits, r.targets, settings.temperature)
     entropy = (
         entropy_from_logits(logits, settings.temperature) if settings.entropy_coef > 0 else None

@@ -42,7 +42,6 @@ distribution we do not record.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 from typing import Any
@@ -51,6 +50,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from atgrpo.generation.base import Generation
+from atgrpo.models import autocast_for
 
 # Every GenerationConfig field that changes which token comes next, the decoding mode or what
 # ``generate`` returns, at a non-None neutral value (None would be filled from the model).
@@ -348,13 +348,8 @@ class HFGenerator:
     ) -> torch.Tensor:  # (N, P + steps)
         was_training = self.model.training
         self.model.eval()
-        autocast = (
-            torch.autocast(input_ids.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
         try:
-            with autocast:
+            with autocast_for(self.model, self.autocast_dtype):
                 extra: dict[str, Any] = {}
                 if self.share_prefill and input_ids.shape[1] > 1:  # width 1: nothing to share
                     name = cache_kwarg(unwrapped(self.model).forward)
