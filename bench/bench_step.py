@@ -16,7 +16,13 @@ Variants (each in its own subprocess, one after another, so peak RSS is per vari
   prompt + response sequence in micro-batches (``logits_to_keep`` = the response) with the
   token-mean policy-gradient loss -sum(A * log p) / #response tokens, no old log-probs (one
   on-policy step: the PPO ratio is 1, so this is the same gradient); global grad-norm clip 1;
-  AdamW (fused, as atgrpo's). The same bf16 autocast over fp32 weights.
+  AdamW (fused, as atgrpo's). The same bf16 autocast over fp32 weights, transformers' stock
+  SDPA attention and glibc's default allocator.
+* ``plain-tuned`` (workload a only): ``plain`` with the two process settings atgrpo applies on
+  CPU: attention in float32 under bf16 autocast (``atgrpo.attention``: PyTorch's bf16 CPU
+  attention kernel is several times slower) and glibc keeping freed memory
+  (``models.retain_freed_memory``, ``train.host_allocator``). ``plain-tuned`` vs ``plain``
+  is what those settings give; ``atgrpo-share`` vs ``plain-tuned`` what the rest gives.
 
 Workloads:
 
@@ -84,7 +90,7 @@ INSTRUCTION = [
 ]
 
 VARIANTS = {
-    "a": ("plain", "atgrpo-share", "atgrpo-noshare"),
+    "a": ("plain", "plain-tuned", "atgrpo-share", "atgrpo-noshare"),
     "b": ("atgrpo-share", "atgrpo-noshare"),
 }
 
@@ -238,12 +244,19 @@ class AtgrpoStep:
 
 
 class PlainStep:
-    """The lean hand-written GRPO step with transformers (module docstring)."""
+    """The lean hand-written GRPO step with transformers (module docstring).
 
-    def __init__(self, model: str) -> None:
-        from atgrpo.models import load_model
+    ``tuned``: with atgrpo's two process settings (float32 attention on CPU under autocast,
+    glibc keeping freed memory); else transformers' stock SDPA and glibc's defaults.
+    """
 
-        self.model, self.tokenizer = load_model(model)  # fp32 weights, left padding
+    def __init__(self, model: str, tuned: bool = False) -> None:
+        from atgrpo.models import load_model, retain_freed_memory
+
+        # fp32 master weights, left padding; atgrpo's attention (None) or the stock SDPA
+        self.model, self.tokenizer = load_model(model, attention=None if tuned else "sdpa")
+        if tuned:
+            retain_freed_memory()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
         self.prompts = build_prompts(self.tokenizer)
         eos = self.model.generation_config.eos_token_id
@@ -324,8 +337,8 @@ class PlainStep:
 def run_workload_a(variant: str, model: str, steps: int, seed: int) -> dict[str, Any]:
     seed_all(seed)
     runner: AtgrpoStep | PlainStep
-    if variant == "plain":
-        runner = PlainStep(model)
+    if variant.startswith("plain"):
+        runner = PlainStep(model, tuned=variant == "plain-tuned")
     else:
         runner = AtgrpoStep(model, variant == "atgrpo-share", seed)
     history = []
@@ -461,7 +474,13 @@ def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
         )
     pairs = [("atgrpo-share", "atgrpo-noshare")]
     if "plain" in summaries:
-        pairs = [("atgrpo-share", "plain"), ("atgrpo-noshare", "plain"), *pairs]
+        pairs = [
+            ("atgrpo-share", "plain"),
+            ("atgrpo-noshare", "plain"),
+            ("plain-tuned", "plain"),
+            ("atgrpo-share", "plain-tuned"),
+            *pairs,
+        ]
     print("\nspeed-up (reference time / variant time; > 1: faster)")
     print(f"{'variant vs reference':<34}{'gen':>7}{'update':>8}{'total':>7}{'tokens/s':>10}")
     for a, b in pairs:

@@ -46,7 +46,13 @@ from atgrpo.generation import (
     VLLMSettings,
 )
 from atgrpo.generation.vllm import require_vllm
-from atgrpo.models import ModelError, bf16_supported, load_model, resolve_model_path
+from atgrpo.models import (
+    ModelError,
+    bf16_supported,
+    load_model,
+    resolve_model_path,
+    retain_freed_memory,
+)
 from atgrpo.prompts import PromptEncoder
 from atgrpo.records import Sample
 
@@ -284,6 +290,8 @@ def _policy(
     reference: Any | None = None,
 ) -> Policy:
     """A policy with its own AdamW over ``params`` and LR schedule (per-policy lr / decay)."""
+    if cfg.train.host_allocator == "retain" and next(model.parameters()).device.type == "cpu":
+        retain_freed_memory()  # this process's; glibc only (models.retain_freed_memory)
     settings = cfg.policies[policy_id]
     impl = cfg.train.adamw
     optimizer = torch.optim.AdamW(

@@ -1,0 +1,62 @@
+"""atgrpo's attention: float32 SDPA on CPU under bf16 autocast, and the host allocator."""
+
+from __future__ import annotations
+
+import torch
+
+from atgrpo.attention import ATTENTION, fp32_sdpa_on_cpu
+from atgrpo.models import TINY_MODEL, load_model, retain_freed_memory
+
+
+class _Module(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def _qkv(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 5, 16, generator=g)
+    k, v = torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def test_under_autocast_attention_runs_in_float32() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = _qkv(torch.float32)
+    mask = torch.ones(2, 1, 5, 9, dtype=torch.bool).tril(4)
+    exact, _ = sdpa_attention_forward(_Module(), q, k, v, mask)  # float32, no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = fp32_sdpa_on_cpu(_Module(), q, k, v.bfloat16(), mask)
+        stock, _ = sdpa_attention_forward(_Module(), q, k, v.bfloat16(), mask)
+    assert ours.dtype == torch.bfloat16  # cast back to the value's dtype
+    err_ours = (ours.float() - exact).abs().max().item()
+    err_stock = (stock.float() - exact).abs().max().item()
+    assert err_ours < err_stock  # bf16 SDPA rounds its products; ours only its output
+    assert err_ours <= 2**-8 * exact.abs().max().item()  # one bf16 rounding of the output
+
+
+def test_float32_inputs_without_autocast_are_plain_sdpa() -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = _qkv(torch.float32)
+    ours, _ = fp32_sdpa_on_cpu(_Module(), q, k, v, None)
+    stock, _ = sdpa_attention_forward(_Module(), q, k, v, None)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, stock)
+
+
+def test_models_load_with_atgrpo_attention_unless_asked() -> None:
+    model, _ = load_model(TINY_MODEL, device="cpu")
+    assert model.config._attn_implementation == ATTENTION
+    stock, _ = load_model(TINY_MODEL, device="cpu", attention="sdpa")
+    assert stock.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, stock(input_ids=ids).logits
+    torch.testing.assert_close(a, b)  # float32: the same computation
+
+
+def test_retain_freed_memory_on_glibc() -> None:
+    assert retain_freed_memory() is True  # the project's machines run glibc
+    assert retain_freed_memory() is True  # idempotent
