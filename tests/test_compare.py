@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -22,39 +23,44 @@ from atgrpo.compare import (
 )
 from atgrpo.config import ConfigError, load_config
 from atgrpo.envs import Split
-from atgrpo.evaluate import EvalReport
+from atgrpo.evaluate import EvalReport, TaskResult
 from atgrpo.train import train
 from conftest import REPO
 
 FAST = ["rollout.max_prompt_tokens=2048", "rollout.max_new_tokens=8"]
 
 
-def _cell(method: str, bench: str, success: float, **kw: object) -> Cell:
-    report = EvalReport("test", 10, success, 0.0, **kw)  # type: ignore[arg-type]
-    return Cell(method, bench, report, "", "c.yaml")
+def _report(success: float, tasks: int = 100, **kw: object) -> EvalReport:
+    solved = round(success * tasks)
+    results = [TaskResult(i, i, None, int(i < solved), 1, 0.0) for i in range(tasks)]
+    return EvalReport("test", tasks, solved / tasks, 0.0, tasks=results, **kw)  # type: ignore[arg-type]
 
 
-def test_table_has_success_and_the_delta_to_the_first_row(tmp_path: Path) -> None:
+def _cell(method: str, bench: str, *successes: float, **kw: object) -> Cell:
+    reports = [_report(s, **kw) for s in successes]
+    seeds = list(range(len(reports)))
+    return Cell(method, bench, reports, [""] * len(reports), "c.yaml", seeds)
+
+
+def test_table_has_success_intervals_and_the_delta_to_the_first_row(tmp_path: Path) -> None:
     cells = [
         _cell("Single agent", "Plan-Path", 0.05),
         _cell("Single agent", "Sudoku", 0.07),
         _cell("MAS", "Plan-Path", 0.10),
         _cell("MAS", "Sudoku", 0.69),
-        _cell("MAS + AT-GRPO", "Plan-Path", 0.96),
-        _cell("MAS + AT-GRPO", "Sudoku", 0.99),
+        _cell("MAS + AT-GRPO", "Plan-Path", 0.90, 0.96, 0.93),
+        _cell("MAS + AT-GRPO", "Sudoku", 0.99, 0.99, 0.99),
     ]
     header, rows = table_rows(cells)
-    assert header == ["Method", "Plan-Path", "Sudoku"]
-    # deltas in points: 10 - 5 = +5, 69 - 7 = +62, 96 - 5 = +91, 99 - 7 = +92
-    assert rows == [
-        ["Single agent", "5.00", "7.00"],
-        ["MAS", "10.00 (+5.00)", "69.00 (+62.00)"],
-        ["MAS + AT-GRPO", "96.00 (+91.00)", "99.00 (+92.00)"],
-    ]
+    assert header == ["Method", "seeds", "Plan-Path", "Sudoku"]
+    assert rows[0] == ["Single agent", "1", "5.0 [2.2, 11.2]", "7.0 [3.4, 13.7]"]  # Wilson
+    assert rows[1][:2] == ["MAS", "1"]
+    assert rows[1][2].startswith("10.0 [") and "; +5.0 [" in rows[1][2]
+    agrpo = rows[2]
+    assert agrpo[1] == "3" and agrpo[2].startswith("93.0 [") and "; +88.0 [+" in agrpo[2]
     md = markdown_table(cells)
-    assert md.splitlines()[0] == "| Method | Plan-Path | Sudoku |"
-    assert "| MAS + AT-GRPO | 96.00 (+91.00) | 99.00 (+92.00) |" in md
-    assert "on 10 test tasks per benchmark (greedy)" in md
+    assert md.splitlines()[0] == "| Method | seeds | Plan-Path | Sudoku |"
+    assert "on 100 test tasks per benchmark (greedy)" in md
     md_path, csv_path = write_tables(cells, tmp_path)
     assert md_path.read_text() == md
     lines = list(csv.DictReader(csv_path.open()))
@@ -65,6 +71,10 @@ def test_table_has_success_and_the_delta_to_the_first_row(tmp_path: Path) -> Non
         ("Single agent", "Sudoku", "7.00", "0.00"),
         ("MAS", "Plan-Path", "10.00", "5.00"),
     ]
+    last = lines[-1]
+    assert last["seeds"] == "0 1 2" and last["success_per_seed"] == "99.00 99.00 99.00"
+    assert float(last["success_low"]) <= 99.0 <= float(last["success_high"])
+    assert float(last["delta_low"]) > 0  # 99 vs 7 on the same 100 tasks
 
 
 def test_csv_has_pass_at_k_columns_when_sampled(tmp_path: Path) -> None:
@@ -103,7 +113,7 @@ def test_every_cell_is_evaluated_on_the_same_split() -> None:
         calls.append((cfg.env.grid_size, cfg.env.workflow.value, checkpoint, split))
         return EvalReport(split.value, 1, 0.5, 0.0)
 
-    cells = run_comparison(comparison, evaluate=fake)
+    cells = run_comparison(comparison, evaluate=fake, cache=False)
     assert [(c.method, c.benchmark) for c in cells] == [
         ("x", "a"), ("y", "a"), ("x", "b"), ("y", "b"),
     ]  # fmt: skip
@@ -164,11 +174,79 @@ def test_compare_produces_the_plan_path_table_with_the_tiny_model(
     out = capsys.readouterr().out
     assert "[6/6] Plan-Path 4x4 | MAS + AT-GRPO (per-role LoRA), policies swapped" in out
     md = (tmp_path / "table" / "table.md").read_text().splitlines()
-    assert md[0] == "| Method | Plan-Path 4x4 |"
+    assert md[0] == "| Method | seeds | Plan-Path 4x4 |"
     labels = [row.split(" | ")[0].removeprefix("| ") for row in md[2:8]]
     assert labels == [m["label"] for m in spec["methods"]]
-    assert all("(" in row for row in md[3:8])  # every row after the first shows its delta
+    assert all("; " in row for row in md[3:8])  # every row after the first shows its delta
     rows = list(csv.DictReader((tmp_path / "table" / "table.csv").open()))
     assert len(rows) == 6 and rows[0]["delta_to_first"] == "0.00"
     assert {r["num_tasks"] for r in rows} == {"2"} and {r["split"] for r in rows} == {"test"}
-    assert rows[1]["checkpoint"].endswith("step-000001") and rows[0]["checkpoint"] == ""
+    assert rows[1]["checkpoints"].endswith("step-000001") and rows[0]["checkpoints"] == ""
+
+
+def _grid_file(tmp_path: Path, seeds: list[int]) -> Path:
+    spec = {
+        "output_dir": str(tmp_path / "grid"),
+        "seeds": seeds,
+        "eval": {"num_tasks": 2, "max_new_tokens": 8},
+        "benchmarks": [{"name": "Plan-Path 4x4"}],
+        "methods": [
+            {"label": "MAS (no training)", "config": str(REPO / "configs" / "tiny.yaml")},
+            {
+                "label": "MAS + AT-GRPO",
+                "config": str(REPO / "configs" / "tiny.yaml"),
+                "train": True,
+                "overrides": [*FAST, "train.steps=2"],
+            },
+            {
+                "label": "swapped",
+                "config": str(REPO / "configs" / "tiny.yaml"),
+                "runs_of": "MAS + AT-GRPO",
+                "overrides": [*FAST, "train.steps=2"],
+            },
+        ],
+    }
+    path = tmp_path / "grid.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_compare_train_trains_resumes_and_caches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--train trains each seed's run in its own process, resumes a half-finished one, and a
+    second call trains and evaluates nothing again."""
+    from atgrpo.cli import main
+    from atgrpo.compare import RunSpec, planned_runs
+    from atgrpo.grid import RunStatus, grid_status, train_run
+
+    path = _grid_file(tmp_path, seeds=[0, 1])
+    comparison = load_comparison(path)
+    assert main(["compare", str(path)]) == 2  # nothing trained yet: one line names --train
+    assert "--train" in capsys.readouterr().out
+    # Seed 0 stopped after step 1 of 2: its checkpoint is at step 1.
+    half = planned_runs(comparison)[0]
+    one_step = half.cfg.model_copy(deep=True)
+    one_step.train.steps = 1
+    short = RunStatus(RunSpec(half.method, half.bench, half.seed, one_step), "missing", 0)
+    train_run(comparison, short, tmp_path / "first.log")
+    assert [(s.state, s.step) for s in grid_status(comparison)] == [("partial", 1), ("missing", 0)]
+
+    assert main(["compare", str(path), "--train"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming from step 1: MAS + AT-GRPO | Plan-Path 4x4 | seed 0" in out
+    assert "training: MAS + AT-GRPO | Plan-Path 4x4 | seed 1" in out
+    assert "[3/3] Plan-Path 4x4 | swapped: success" in out and "(mean of 2 seeds)" in out
+    metrics = half.run_dir / "metrics.jsonl"
+    steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    assert sorted(set(steps)) == [1, 2]
+    rows = list(csv.DictReader((tmp_path / "grid" / "table.csv").open()))
+    assert [r["seeds"] for r in rows] == ["0", "0 1", "0 1"]
+    evals = sorted((tmp_path / "grid" / "evals").rglob("*.json"))
+    assert len(evals) == 5  # 1 untrained + 2 x 2 trained
+    stamps = [p.stat().st_mtime_ns for p in evals]
+
+    assert main(["compare", str(path), "--train"]) == 0
+    out = capsys.readouterr().out
+    assert "runs: 2 planned, 2 were already finished" in out and "training:" not in out
+    assert [p.stat().st_mtime_ns for p in evals] == stamps  # read back, not evaluated again

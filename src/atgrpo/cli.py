@@ -2,7 +2,7 @@
 
 atgrpo train CONFIG [key=value ...] [--resume]
 atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B] [key=value ...]
-atgrpo compare FILE [--output-dir DIR] [--num-tasks N]   methods x benchmarks success table
+atgrpo compare FILE [--train | --status] [--output-dir DIR] [--num-tasks N]   the methods table
 atgrpo models prepare [--force]
 atgrpo config CONFIG [key=value ...]        print the resolved config
 atgrpo report RUN [RUN ...] [--out PATH]     one offline report.html: curves and rollouts
@@ -16,12 +16,14 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 
 from atgrpo.config import ConfigError, dump_config, load_config
 from atgrpo.data.base import DatasetError
+from atgrpo.grid import RunFailedError
 from atgrpo.models import ModelError, prepare_default_model, prepare_tiny_model
 from atgrpo.sandbox import SandboxSetupError
 
@@ -144,34 +146,79 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
-    from atgrpo.compare import Cell, load_comparison, run_comparison, table_rows, write_tables
+    from atgrpo.compare import load_comparison
 
     comparison = load_comparison(args.file)
     if args.num_tasks:
         comparison.eval["num_tasks"] = args.num_tasks
-    out = Path(args.output_dir or comparison.output_dir)
+    if args.output_dir:
+        comparison.output_dir = args.output_dir
+    if args.train:
+        _train_comparison(comparison)
+    elif args.status:
+        _print_grid_status(comparison)
+        return 0
+    return _evaluate_comparison(comparison)
+
+
+def _print_grid_status(comparison: Any) -> None:
+    from atgrpo.grid import grid_status
+
+    for st in grid_status(comparison):
+        steps = st.spec.cfg.train.steps
+        console.print(
+            f"{st.state:<8} {st.step:>4}/{steps}  {escape(st.spec.method.label)} | "
+            f"{escape(st.spec.bench.name)} | seed {st.spec.seed}  ({st.spec.run_dir})"
+        )
+
+
+def _train_comparison(comparison: Any) -> None:
+    from atgrpo.grid import RunStatus, train_grid
+
+    def on_status(st: RunStatus, what: str) -> None:
+        spec = st.spec
+        name = f"{escape(spec.method.label)} | {escape(spec.bench.name)} | seed {spec.seed}"
+        if what == "start":
+            how = "resuming from step " + str(st.step) if st.state == "partial" else "training"
+            console.print(f"{how}: {name} -> {spec.run_dir}")
+        else:
+            console.print(f"  trained {name} in {what}")
+
+    statuses = train_grid(comparison, on_status)
+    done = sum(st.state == "done" for st in statuses)
+    console.print(f"runs: {len(statuses)} planned, {done} were already finished")
+
+
+def _evaluate_comparison(comparison: Any) -> int:
+    from rich.table import Table
+
+    from atgrpo.compare import Cell, run_comparison, table_rows, write_tables
+
+    out = Path(comparison.output_dir)
     total = len(comparison.methods) * len(comparison.benchmarks)
     done = 0
 
     def on_cell(cell: Cell) -> None:
         nonlocal done
         done += 1
+        seeds = f" (mean of {len(cell.seeds)} seeds)" if len(cell.seeds) > 1 else ""
         console.print(
-            f"[{done}/{total}] {cell.benchmark} | {cell.method}: "
-            f"success {cell.report.success_rate:.1%} on {cell.report.num_tasks} tasks"
+            f"[{done}/{total}] {escape(cell.benchmark)} | {escape(cell.method)}: "
+            f"success {cell.success_rate:.1%} on {cell.report.num_tasks} tasks{seeds}"
         )
         if cell.report.note:
             console.print(f"  [yellow]{escape(cell.report.note)}[/]")
 
     cells = run_comparison(comparison, on_cell=on_cell)
     header, rows = table_rows(cells)
-    table = Table(title=f"success % on {comparison.split.value} tasks (delta to the first row)")
+    table = Table(
+        title=f"success % [95 % interval] on {comparison.split.value} tasks; "
+        "difference to the first row"
+    )
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i == 0 else "right")
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(escape(x) for x in row))
     console.print(table)
     md, csv_path = write_tables(cells, out)
     console.print(f"tables: {md}  {csv_path}")
@@ -228,6 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a comparison YAML, e.g. configs/compare/tiny-table.yaml")
     p.add_argument("--output-dir", help="where the tables go (default: the file's output_dir)")
     p.add_argument("--num-tasks", type=int, default=None, help="held-out tasks per benchmark")
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="first train (or resume) every run the file's `train: true` methods still need",
+    )
+    p.add_argument(
+        "--status", action="store_true", help="list the training runs and how far each got"
+    )
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("models", help="prepare the embedded models")
@@ -261,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         SandboxSetupError,
         FileNotFoundError,
         FileExistsError,
+        RunFailedError,
     ) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         return 2

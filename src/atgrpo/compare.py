@@ -29,18 +29,23 @@ method (single agent vs MAS); without ``env`` a benchmark is the method's own en
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from atgrpo import checkpoint as ckpt
-from atgrpo.config import Config, ConfigError, config_from_raw, read_raw_config
+from atgrpo.config import Config, ConfigError, config_from_raw, dump_config, read_raw_config
 from atgrpo.envs import Split
-from atgrpo.evaluate import EvalReport
+from atgrpo.evaluate import EvalReport, report_from_record, write_eval_json
+from atgrpo.intervals import Interval, difference_interval, success_interval
 
 
 class _Strict(BaseModel):
@@ -65,13 +70,40 @@ class Method(_Strict):
             "has its own trained run (as in the paper); null = the untrained model(s)."
         ),
     )
+    train: bool = Field(
+        False,
+        description=(
+            "Trained by the comparison itself (`atgrpo compare FILE --train`): one run per seed "
+            "of `seeds` and benchmark, under <output_dir>/runs/; evaluated from their final "
+            "checkpoints."
+        ),
+    )
+    runs_of: str | None = Field(
+        None,
+        description=(
+            "The label of a `train: true` method whose runs this row evaluates with its own "
+            "config and overrides (e.g. the per-role policies swapped between roles)."
+        ),
+    )
     overrides: list[str] = Field(default_factory=list, description="key=value for this method.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Method:
+        sources = [self.checkpoint is not None, self.train, self.runs_of is not None]
+        if sum(sources) > 1:
+            raise ValueError("give at most one of checkpoint, train: true and runs_of")
+        return self
 
 
 class Comparison(_Strict):
     output_dir: str = Field("runs/compare", description="Where table.md and table.csv go.")
     split: Split = Field(Split.TEST, description="Held-out split of every evaluation.")
-    seed: int = Field(0, description="run.seed of every cell: eval sampling uses it.")
+    seed: int = Field(0, description="run.seed of every evaluation: eval sampling uses it.")
+    seeds: list[int] = Field(
+        default_factory=lambda: [0],
+        min_length=1,
+        description="Training seeds (run.seed) of the `train: true` methods: one run each.",
+    )
     eval: dict[str, Any] = Field(
         default_factory=dict, description="eval.* settings for every cell (num_tasks, ...)."
     )
@@ -81,11 +113,18 @@ class Comparison(_Strict):
     @model_validator(mode="after")
     def _checkpoints_cover_benchmarks(self) -> Comparison:
         names = [b.name for b in self.benchmarks]
+        trained = {m.label for m in self.methods if m.train}
         for i, m in enumerate(self.methods):
             if isinstance(m.checkpoint, dict) and (missing := set(names) - set(m.checkpoint)):
                 raise ValueError(
                     f"methods.{i}.checkpoint has no entry for benchmark(s) {sorted(missing)}"
                 )
+            if m.runs_of is not None and m.runs_of not in trained:
+                raise ValueError(
+                    f"methods.{i}.runs_of: no method labelled {m.runs_of!r} has train: true"
+                )
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds repeat a seed: {self.seeds}")
         return self
 
 
@@ -105,11 +144,40 @@ def load_comparison(path: str | Path) -> Comparison:
 
 @dataclass
 class Cell:
+    """One method on one benchmark: an evaluation per seed (one for an untrained method)."""
+
     method: str
     benchmark: str
-    report: EvalReport
-    checkpoint: str  # "" for an untrained model
+    reports: list[EvalReport]
+    checkpoints: list[str]  # "" for an untrained model
     config: str
+    seeds: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def report(self) -> EvalReport:
+        return self.reports[0]
+
+    @property
+    def success_rate(self) -> float:
+        return sum(r.success_rate for r in self.reports) / len(self.reports)
+
+    def solved(self) -> np.ndarray:
+        """(seeds, tasks) successes per task, in task order; tasks equal across seeds."""
+        rows = [[t.successes for t in r.tasks] for r in self.reports]
+        if not rows[0] or any(len(row) != len(rows[0]) for row in rows):
+            raise ValueError(
+                f"{self.method} | {self.benchmark}: per-task results are missing or differ "
+                "between seeds; evaluate every seed on the same tasks"
+            )
+        return np.array(rows)
+
+    def interval(self) -> Interval:
+        return success_interval(self.solved(), self.report.samples_per_task)
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a label: 'MAS + AT-GRPO (shared)' -> 'mas-at-grpo-shared'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
 
 
 def cell_config(comparison: Comparison, method: Method, bench: Benchmark) -> Config:
@@ -127,10 +195,84 @@ def _yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def cell_checkpoint(method: Method, bench: Benchmark) -> Path | None:
-    source = method.checkpoint
-    folder = source.get(bench.name) if isinstance(source, dict) else source
-    return ckpt.resolve_checkpoint(folder) if folder else None
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run a comparison needs: a `train: true` method, a benchmark, a seed."""
+
+    method: Method
+    bench: Benchmark
+    seed: int
+    cfg: Config  # the training config: the cell's, with the run's folder, seed and checkpoints
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+
+# A stopped comparison loses at most one step of a run: every step is checkpointed (the
+# last only), and no evaluation runs inside training (the comparison evaluates the result).
+RUN_OVERRIDES = (
+    "checkpoint.every=1",
+    "checkpoint.keep=1",
+    "eval.before_training=false",
+    "eval.after_training=false",
+)
+
+
+def run_spec(comparison: Comparison, method: Method, bench: Benchmark, seed: int) -> RunSpec:
+    base = cell_config(comparison, method, bench)
+    folder = Path(comparison.output_dir) / "runs" / slug(bench.name) / slug(method.label)
+    run = [f"run.output_dir={folder}", f"run.name=seed{seed}", f"run.seed={seed}"]
+    raw = base.model_dump(mode="json")
+    return RunSpec(method, bench, seed, config_from_raw(raw, [*run, *RUN_OVERRIDES]))
+
+
+def planned_runs(comparison: Comparison) -> list[RunSpec]:
+    """Every training run of the comparison, benchmark by benchmark, seed-major."""
+    return [
+        run_spec(comparison, method, bench, seed)
+        for bench in comparison.benchmarks
+        for seed in comparison.seeds
+        for method in comparison.methods
+        if method.train
+    ]
+
+
+def finished_checkpoint(spec: RunSpec) -> Path | None:
+    """The run's checkpoint at its last step, or None while it is missing or unfinished."""
+    latest = ckpt.latest_checkpoint(spec.run_dir)
+    if latest is None:
+        return None
+    step = int(ckpt.load_trainer_state(latest)["step"])
+    return latest if step >= spec.cfg.train.steps else None
+
+
+class NotTrainedError(ConfigError):
+    """A `train: true` method's run is missing or unfinished."""
+
+
+def cell_checkpoints(
+    comparison: Comparison, method: Method, bench: Benchmark
+) -> tuple[list[int], list[Path | None]]:
+    """The seeds and checkpoints a cell evaluates: the method's own, or its trained runs."""
+    trainer = method
+    if method.runs_of is not None:
+        trainer = next(m for m in comparison.methods if m.label == method.runs_of)
+    if not trainer.train:
+        source = method.checkpoint
+        folder = source.get(bench.name) if isinstance(source, dict) else source
+        return [comparison.seed], [ckpt.resolve_checkpoint(folder) if folder else None]
+    found = []
+    for seed in comparison.seeds:
+        spec = run_spec(comparison, trainer, bench, seed)
+        final = finished_checkpoint(spec)
+        if final is None:
+            raise NotTrainedError(
+                f"{trainer.label} | {bench.name}, seed {seed}: run {spec.run_dir} is not "
+                "trained to the end; run `atgrpo compare FILE --train` to train or resume it"
+            )
+        found.append(final)
+    return list(comparison.seeds), list(found)
 
 
 Evaluator = Callable[[Config, Path | None, Split], EvalReport]
@@ -148,23 +290,57 @@ def evaluate_cell(cfg: Config, checkpoint: Path | None, split: Split) -> EvalRep
         rt.close()
 
 
+def _fingerprint(cfg: Config, checkpoint: Path | None, split: Split) -> str:
+    text = dump_config(cfg) + f"\n{checkpoint}\n{split.value}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cached_evaluation(
+    evaluate: Evaluator, cfg: Config, checkpoint: Path | None, split: Split, path: Path
+) -> EvalReport:
+    """``evaluate``'s report, read from ``path`` when it holds this very evaluation."""
+    key = _fingerprint(cfg, checkpoint, split)
+    if path.is_file():
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("fingerprint") == key:
+            return report_from_record(record)
+    report = evaluate(cfg, checkpoint, split)
+    write_eval_json(report, path, extra={"fingerprint": key})
+    return report
+
+
 def run_comparison(
     comparison: Comparison,
     evaluate: Evaluator = evaluate_cell,
     on_cell: Callable[[Cell], None] | None = None,
+    cache: bool = True,
 ) -> list[Cell]:
-    """Every method on every benchmark, in table order."""
+    """Every method on every benchmark, in table order; evaluations cached under output_dir."""
     cells = []
     for bench in comparison.benchmarks:
         for method in comparison.methods:
             cfg = cell_config(comparison, method, bench)
-            checkpoint = cell_checkpoint(method, bench)
-            report = evaluate(cfg, checkpoint, comparison.split)
-            cell = Cell(method.label, bench.name, report, str(checkpoint or ""), method.config)
+            seeds, checkpoints = cell_checkpoints(comparison, method, bench)
+            reports = []
+            for seed, checkpoint in zip(seeds, checkpoints, strict=True):
+                path = _cache_path(comparison, method, bench, seed)
+                if cache:
+                    reports.append(
+                        cached_evaluation(evaluate, cfg, checkpoint, comparison.split, path)
+                    )
+                else:
+                    reports.append(evaluate(cfg, checkpoint, comparison.split))
+            names = [str(c or "") for c in checkpoints]
+            cell = Cell(method.label, bench.name, reports, names, method.config, seeds)
             cells.append(cell)
             if on_cell is not None:
                 on_cell(cell)
     return cells
+
+
+def _cache_path(comparison: Comparison, method: Method, bench: Benchmark, seed: int) -> Path:
+    folder = Path(comparison.output_dir) / "evals" / slug(bench.name) / slug(method.label)
+    return folder / f"seed{seed}.json"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,38 +353,42 @@ def _grid(cells: list[Cell]) -> tuple[list[str], list[str], dict[tuple[str, str]
     return methods, benchmarks, {(c.method, c.benchmark): c for c in cells}
 
 
+def _delta(cell: Cell, base: Cell) -> Interval:
+    return difference_interval(cell.solved(), base.solved(), cell.report.samples_per_task)
+
+
 def table_rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the paper-style table: success % (delta to the first row)."""
+    """Header and rows of the paper-style table: success % [95 % interval] per benchmark, and
+    after the first row the difference to it in points [its paired 95 % interval]."""
     methods, benchmarks, grid = _grid(cells)
     rows = []
     for i, method in enumerate(methods):
-        row = [method]
+        row = [method, str(len(grid[(method, benchmarks[0])].seeds))]
         for bench in benchmarks:
             cell, base = grid[(method, bench)], grid[(methods[0], bench)]
-            text = f"{100 * cell.report.success_rate:.2f}"
+            text = cell.interval().percent()
             if i > 0:
-                delta = 100 * (cell.report.success_rate - base.report.success_rate)
-                text += f" ({delta:+.2f})"
+                d = _delta(cell, base)
+                text += f"; {100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
             row.append(text)
         rows.append(row)
-    return ["Method", *benchmarks], rows
+    return ["Method", "seeds", *benchmarks], rows
 
 
 def markdown_table(cells: list[Cell]) -> str:
     header, rows = table_rows(cells)
     first = cells[0].report
+    sampling = f"avg@{first.samples_per_task} (sampled)" if first.samples_per_task > 1 else "greedy"
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
         *("| " + " | ".join(row) + " |" for row in rows),
         "",
-        f"Success rate (%) on {first.num_tasks} {first.split} tasks per benchmark"
-        + (
-            f", avg@{first.samples_per_task} (sampled)"
-            if first.samples_per_task > 1
-            else " (greedy)"
-        )
-        + "; in parentheses the difference to the first row.",
+        f"Success rate (%) on {first.num_tasks} {first.split} tasks per benchmark ({sampling}), "
+        "mean over the seeds, with its 95 % interval (one seed: Wilson over tasks; several: "
+        "bootstrap over tasks and seeds); after ';' the difference to the first row in points "
+        "with its 95 % interval (paired over tasks). An interval that contains 0 does not show "
+        "a difference.",
     ]
     # A benchmark with fewer distinct tasks than asked for says so (same tasks in every row).
     notes = dict.fromkeys(f"{c.benchmark}: {c.report.note}" for c in cells if c.report.note)
@@ -216,28 +396,32 @@ def markdown_table(cells: list[Cell]) -> str:
     return "\n".join(lines) + "\n"
 
 
+CSV_COLUMNS = (
+    "method",
+    "benchmark",
+    "split",
+    "num_tasks",
+    "samples_per_task",
+    "seeds",
+    "success",
+    "success_low",
+    "success_high",
+    "delta_to_first",
+    "delta_low",
+    "delta_high",
+    "success_per_seed",
+)
+
+
 def write_csv(cells: list[Cell], path: Path) -> None:
     """One line per cell, long format, with pass@k columns when n > 1."""
-    ks = sorted({k for c in cells for k in c.report.pass_at})
+    ks = sorted({k for c in cells for r in c.reports for k in r.pass_at})
     methods, _, grid = _grid(cells)
     with path.open("w", newline="", encoding="utf-8") as f:
         out = csv.writer(f)
-        out.writerow(
-            [
-                "method",
-                "benchmark",
-                "split",
-                "num_tasks",
-                "samples_per_task",
-                "success",
-                "delta_to_first",
-                *(f"pass@{k}" for k in ks),
-                "config",
-                "checkpoint",
-            ]
-        )
+        out.writerow([*CSV_COLUMNS, *(f"pass@{k}" for k in ks), "config", "checkpoints"])
         for c in cells:
-            base = grid[(methods[0], c.benchmark)].report.success_rate
+            iv, d = c.interval(), _delta(c, grid[(methods[0], c.benchmark)])
             out.writerow(
                 [
                     c.method,
@@ -245,16 +429,20 @@ def write_csv(cells: list[Cell], path: Path) -> None:
                     c.report.split,
                     c.report.num_tasks,
                     c.report.samples_per_task,
-                    f"{100 * c.report.success_rate:.2f}",
-                    f"{100 * (c.report.success_rate - base):.2f}",
-                    *(
-                        f"{100 * c.report.pass_at[k]:.2f}" if k in c.report.pass_at else ""
-                        for k in ks
-                    ),
+                    " ".join(map(str, c.seeds)),
+                    *(f"{100 * x:.2f}" for x in (iv.mean, iv.low, iv.high)),
+                    *(f"{100 * x:.2f}" for x in (d.mean, d.low, d.high)),
+                    " ".join(f"{100 * r.success_rate:.2f}" for r in c.reports),
+                    *(_mean_pass_at(c, k) for k in ks),
                     c.config,
-                    c.checkpoint,
+                    " ".join(c.checkpoints),
                 ]
             )
+
+
+def _mean_pass_at(cell: Cell, k: int) -> str:
+    values = [r.pass_at[k] for r in cell.reports if k in r.pass_at]
+    return f"{100 * sum(values) / len(values):.2f}" if values else ""
 
 
 def write_tables(cells: list[Cell], output_dir: Path) -> tuple[Path, Path]:

@@ -118,16 +118,35 @@ def eval_record(report: EvalReport) -> dict[str, Any]:
         "mean_team_return": report.mean_team_return,
         "pass_at": {str(k): v for k, v in report.pass_at.items()},
         "valid_rate": report.valid_rate,
+        "mean_reward": report.mean_reward,
         "note": report.note,
         "tasks": [asdict(t) for t in report.tasks],
     }
 
 
-def write_eval_json(report: EvalReport, path: Path) -> Path:
-    """Write ``report`` to ``path`` whole or not at all (a temporary file, then a rename)."""
+def report_from_record(record: dict[str, Any]) -> EvalReport:
+    """The report an eval-<split>.json object was written from."""
+    return EvalReport(
+        split=record["split"],
+        num_tasks=record["num_tasks"],
+        success_rate=record["success_rate"],
+        mean_team_return=record["mean_team_return"],
+        valid_rate=dict(record["valid_rate"]),
+        mean_reward=dict(record.get("mean_reward", {})),
+        samples_per_task=record["samples_per_task"],
+        pass_at={int(k): v for k, v in record["pass_at"].items()},
+        note=record["note"],
+        tasks=[TaskResult(**t) for t in record["tasks"]],
+    )
+
+
+def write_eval_json(report: EvalReport, path: Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``report`` (and ``extra`` keys) to ``path`` whole or not at all (a temporary
+    file, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(eval_record(report), indent=2) + "\n", encoding="utf-8")
+    record = eval_record(report) | (extra or {})
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
 

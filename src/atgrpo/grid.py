@@ -1,0 +1,97 @@
+"""Training the runs a comparison needs, resumably: ``atgrpo compare FILE --train``.
+
+Each ``train: true`` method of a comparison file is trained once per seed and benchmark
+(:func:`atgrpo.compare.planned_runs`) into ``<output_dir>/runs/<benchmark>/<method>/seed<n>``.
+A run is its own ``atgrpo train`` process with the cell's config written next to it, so one
+run failing or being stopped leaves the others alone. Every step is checkpointed
+(:data:`atgrpo.compare.RUN_OVERRIDES`), so a stopped grid loses at most the step in flight:
+the next ``--train`` skips the finished runs, resumes the unfinished ones from their last
+checkpoint, and starts those never checkpointed afresh.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from atgrpo import checkpoint as ckpt
+from atgrpo.compare import Comparison, RunSpec, finished_checkpoint, planned_runs, slug
+from atgrpo.config import dump_config
+
+
+class RunFailedError(RuntimeError):
+    """A training run of the grid exited non-zero; the message names it and its log."""
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    spec: RunSpec
+    state: str  # "done", "partial" (a checkpoint before the last step) or "missing"
+    step: int  # the last checkpointed step (0: none)
+
+
+def run_status(spec: RunSpec) -> RunStatus:
+    if finished_checkpoint(spec) is not None:
+        return RunStatus(spec, "done", spec.cfg.train.steps)
+    latest = ckpt.latest_checkpoint(spec.run_dir)
+    if latest is None:
+        return RunStatus(spec, "missing", 0)
+    return RunStatus(spec, "partial", int(ckpt.load_trainer_state(latest)["step"]))
+
+
+def grid_status(comparison: Comparison) -> list[RunStatus]:
+    return [run_status(spec) for spec in planned_runs(comparison)]
+
+
+def config_path(comparison: Comparison, spec: RunSpec) -> Path:
+    folder = (
+        Path(comparison.output_dir) / "configs" / slug(spec.bench.name) / slug(spec.method.label)
+    )
+    return folder / f"seed{spec.seed}.yaml"
+
+
+def train_run(comparison: Comparison, status: RunStatus, log: Path) -> float:
+    """Train (or resume) one run in its own ``atgrpo train`` process; its wall seconds."""
+    spec = status.spec
+    path = config_path(comparison, spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_config(spec.cfg), encoding="utf-8")
+    if status.state == "missing" and spec.run_dir.exists():
+        shutil.rmtree(spec.run_dir)  # started, never checkpointed: nothing to resume
+    cmd = [sys.executable, "-m", "atgrpo", "train", str(path)]
+    if status.state == "partial":
+        cmd.append("--resume")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with log.open("a", encoding="utf-8") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+    if rc != 0:
+        raise RunFailedError(
+            f"training {spec.method.label} | {spec.bench.name}, seed {spec.seed} exited with "
+            f"code {rc}; see {log} (rerun --train to resume it)"
+        )
+    return time.perf_counter() - start
+
+
+def train_grid(
+    comparison: Comparison, on_status: Callable[[RunStatus, str], None] | None = None
+) -> list[RunStatus]:
+    """Train every run that is not finished, in plan order; the statuses before training."""
+    statuses = grid_status(comparison)
+    for status in statuses:
+        if status.state == "done":
+            continue
+        if on_status is not None:
+            on_status(status, "start")
+        log = status.spec.run_dir.parent / f"seed{status.spec.seed}.log"
+        seconds = train_run(comparison, status, log)
+        if on_status is not None:
+            on_status(run_status(status.spec), f"{seconds:.0f} s")
+    return statuses

@@ -1,0 +1,52 @@
+"""Success intervals: Wilson over tasks, the bootstrap over tasks and seeds, paired differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atgrpo.intervals import difference_interval, success_interval, wilson
+
+
+def test_wilson_matches_the_textbook_values() -> None:
+    low, high = wilson(6, 48)  # 12.5 %: the demo's untrained team
+    assert low == pytest.approx(0.0586, abs=5e-4)
+    assert high == pytest.approx(0.2470, abs=5e-4)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == pytest.approx(1.0)
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_one_seed_uses_wilson_over_tasks() -> None:
+    solved = np.array([[1] * 30 + [0] * 70])
+    iv = success_interval(solved, episodes=1)
+    assert iv.method == "wilson" and iv.mean == pytest.approx(0.3)
+    assert (iv.low, iv.high) == pytest.approx(wilson(30, 100))
+
+
+def test_seeds_that_disagree_widen_the_bootstrap_interval() -> None:
+    rng = np.random.default_rng(1)
+    agree = (rng.random((3, 100)) < 0.4).astype(int)
+    same = np.repeat(agree[:1], 3, axis=0)  # three identical runs
+    apart = np.stack([np.zeros(100), np.ones(100) * (rng.random(100) < 0.4), np.ones(100)])
+    narrow = success_interval(same, episodes=1)
+    wide = success_interval(apart.astype(int), episodes=1)
+    assert narrow.method == "bootstrap" and narrow.low < narrow.mean < narrow.high
+    assert wide.high - wide.low > 2 * (narrow.high - narrow.low)
+    assert success_interval(same, 1) == narrow  # seeded: reproducible
+
+
+def test_paired_difference_sees_a_consistent_gain_that_unpaired_noise_hides() -> None:
+    rng = np.random.default_rng(2)
+    base = (rng.random((1, 100)) < 0.5).astype(int)
+    better = base.copy()
+    better[0, np.flatnonzero(base[0] == 0)[:10]] = 1  # 10 more tasks solved, none lost
+    diff = difference_interval(np.repeat(better, 3, 0), base, episodes=1)
+    assert diff.mean == pytest.approx(0.10)
+    assert diff.low > 0  # paired over tasks: the gain is outside the noise
+    with pytest.raises(ValueError, match="task counts"):
+        difference_interval(better, base[:, :50], episodes=1)
+
+
+def test_rejects_a_malformed_cell() -> None:
+    with pytest.raises(ValueError, match="shape"):
+        success_interval(np.array([1, 0, 1]), episodes=1)
