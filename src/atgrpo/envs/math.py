@@ -45,6 +45,7 @@ _MATH_WORDS = frozenset(
 _MATH_CHARS = re.compile(r"[0-9A-Za-z\s+\-*/^().,\\{}\[\]_|!%<>]+")
 _WORDS = re.compile(r"[A-Za-z]+")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?:/\d+)?")
+_PLAIN_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:/\d+)?")  # answer_format: number
 _ANSWER_LABEL = re.compile(r"[:=]|\bis\b", re.IGNORECASE)
 
 
@@ -94,9 +95,26 @@ class MathConfig(BaseModel):
     )
     prime_answers: bool = Field(
         default=False,
-        description="Start each answer for the model: the tool's with '```python', the "
+        description="Start each answer for the model: the tool's with tool_prefix, the "
         "reasoner's with 'The final answer is \\boxed{' (no reasoning). For small models "
         "(SmolLM2-135M) that rarely follow the format otherwise.",
+    )
+    answer_format: Literal["any", "number"] = Field(
+        default="any",
+        description="'number': an answer counts as correct only as a plain number (-12, 3.5, "
+        "7/2), so restating an arithmetic question's expression is wrong; 'any': whatever "
+        "math-verify accepts.",
+    )
+    examples: bool = Field(
+        default=True,
+        description="Show each agent an example answer (the program print(2 + 3), the answer "
+        "\\boxed{5}); a small model may copy it instead of answering.",
+    )
+    tool_prefix: str = Field(
+        default=TOOL_PREFIX,
+        pattern=r"^```python\n",
+        description="The tool's primed answer (prime_answers): a code fence, optionally with "
+        "the program's start, e.g. '```python\\nprint(' for one expression.",
     )
 
 
@@ -251,6 +269,14 @@ class MathEnv(TurnBasedEnv):
     def _verify(self, prediction: str, truth: str) -> bool:
         return verify(prediction, truth, timeout_s=self.config.verify_timeout_s)
 
+    def _is_correct(self, answer: str | None) -> bool:
+        """``answer`` verifies against the ground truth (and is a number, if so configured)."""
+        if answer is None:
+            return False
+        if self.config.answer_format == "number" and not _PLAIN_NUMBER.fullmatch(answer.strip()):
+            return False  # e.g. the question's own expression, which math-verify would accept
+        return self._verify(answer, self.problem.answer)
+
     def _tool_step(self, text: str) -> StepOutcome:
         cfg = self.config
         code = extract_code(text)
@@ -265,7 +291,7 @@ class MathEnv(TurnBasedEnv):
             result = sandbox.run_python(code, limits)
             answer = answer_from_output(result.stdout) if result.ok else None
             error = "" if result.ok else (result.stderr.strip().splitlines() or [""])[-1]
-            correct = answer is not None and self._verify(answer, self.problem.answer)
+            correct = self._is_correct(answer)
             report = ToolReport(code, result.status.value, result.stdout, error, answer, correct)
         self._tool_report = report
         parse_error = None
@@ -292,7 +318,7 @@ class MathEnv(TurnBasedEnv):
 
     def _reasoner_step(self, text: str) -> StepOutcome:
         answer = extract_boxed(text)
-        correct = answer is not None and self._verify(answer, self.problem.answer)
+        correct = self._is_correct(answer)
         if TOOL in self.possible_agents:
             tool_report = self._tool_report
             reference = tool_report.answer if tool_report else None
@@ -334,16 +360,19 @@ class MathEnv(TurnBasedEnv):
         parts = [f"Problem:\n{self.problem.question}", *self._progress_lines(agent_id)]
         if agent_id == TOOL:
             system = "You solve math problems by writing Python programs."
+            ask = "Write a Python program that computes the answer and prints it on its last "
             parts.append(
-                "Write a Python program that computes the answer and prints it on its last "
-                "output line, like:\n```python\nprint(2 + 3)\n```"
+                ask + "output line, like:\n```python\nprint(2 + 3)\n```"
+                if self.config.examples
+                else ask + "output line."
             )
         else:
             system = "You solve math problems step by step."
             if TOOL in self.possible_agents:
                 parts.append(self._tool_text())
                 parts.append("Use the helper's result if it is right; otherwise solve it yourself.")
-            parts.append("Give your final answer in \\boxed{}, like: \\boxed{5}")
+            example = ", like: \\boxed{5}" if self.config.examples else "."
+            parts.append("Give your final answer in \\boxed{}" + example)
         messages = [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n\n".join(parts)},
@@ -357,7 +386,7 @@ class MathEnv(TurnBasedEnv):
         """The primed start of ``agent_id``'s answer ("" unless ``prime_answers``)."""
         if not self.config.prime_answers:
             return ""
-        return TOOL_PREFIX if agent_id == TOOL else REASONER_PREFIX
+        return self.config.tool_prefix if agent_id == TOOL else REASONER_PREFIX
 
     def _progress_lines(self, agent_id: str) -> list[str]:
         if self.turn_idx == 0 or not self._answered:
