@@ -3,9 +3,9 @@
 Each ``train: true`` method of a comparison file is trained once per seed and benchmark
 (:func:`atgrpo.compare.planned_runs`) into ``<output_dir>/runs/<benchmark>/<method>/seed<n>``.
 A run is its own ``atgrpo train`` process with the cell's config written next to it, so one
-run failing or being stopped leaves the others alone. Every step is checkpointed
-(:data:`atgrpo.compare.RUN_OVERRIDES`), so a stopped grid loses at most the step in flight:
-the next ``--train`` skips the finished runs, resumes the unfinished ones from their last
+run failing or being stopped leaves the others alone. Runs checkpoint every 5 steps
+(:data:`atgrpo.compare.RUN_OVERRIDES`), and on SIGINT / SIGTERM at the next step boundary. The
+next ``--train`` skips the finished runs, resumes the unfinished ones from their last
 checkpoint, and starts those never checkpointed afresh.
 """
 
