@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # The CPU wheel of torch; a looser spec resolved from scratch pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-slow test-browser lint typecheck check clean-venv
+.PHONY: demo test test-slow test-browser lint typecheck check clean-venv compare
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ $(VENV)/.test: $(VENV)/.data pyproject.toml
 demo: $(VENV)/.model
 	$(VENV)/bin/atgrpo models prepare
 	$(VENV)/bin/atgrpo train configs/demo.yaml run.name=demo-$$(date +%Y%m%d-%H%M%S)
+
+# The paper's comparison at CPU scale (docs/compare.md, docs/results.md): trains every run the
+# shipped comparison files still need, resuming what an earlier call left, then writes each
+# table. Hours on 2 cores: stop it at any time and run it again.
+COMPARISONS ?= plan_path-cpu arith-cpu arith-ablations
+compare: $(VENV)/.model $(VENV)/.data
+	$(VENV)/bin/atgrpo models prepare
+	for f in $(COMPARISONS); do $(VENV)/bin/atgrpo compare configs/compare/$$f.yaml --train || exit 1; done
 
 # The default tier: unit and smoke tests on a tiny in-process model; no network, no download.
 # pytest's exit 5 ("no tests collected") is a failure, not a pass.

@@ -242,6 +242,13 @@ def test_compare_train_trains_resumes_and_caches(
     assert sorted(set(steps)) == [1, 2]
     rows = list(csv.DictReader((tmp_path / "grid" / "table.csv").open()))
     assert [r["seeds"] for r in rows] == ["0", "0 1", "0 1"]
+    assert "learning curves:" in out
+    png = (tmp_path / "grid" / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    from atgrpo.compare import trained_runs
+
+    runs = trained_runs(comparison)["Plan-Path 4x4"]
+    assert list(runs) == ["MAS + AT-GRPO"] and len(runs["MAS + AT-GRPO"]) == 2
     evals = sorted((tmp_path / "grid" / "evals").rglob("*.json"))
     assert len(evals) == 5  # 1 untrained + 2 x 2 trained
     stamps = [p.stat().st_mtime_ns for p in evals]

@@ -1,6 +1,6 @@
 """The ``atgrpo`` command line: a thin layer over the library.
 
-atgrpo train CONFIG [key=value ...] [--resume]
+atgrpo train CONFIG [key=value ...] [--resume | --resume-from STEP] [--force]
 atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B] [key=value ...]
 atgrpo compare FILE [--train | --status] [--output-dir DIR] [--num-tasks N]   the methods table
 atgrpo models prepare [--force]
@@ -67,13 +67,19 @@ def _print_eval(title: str, report: object) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import signal
+
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from atgrpo.checkpoint import CheckpointError
     from atgrpo.envs import make_env
     from atgrpo.policies import describe_regime, resolve_routing
-    from atgrpo.train import train
+    from atgrpo.train import Interrupted, TrainError, train
 
     cfg = load_config(args.config, args.overrides)
+    if args.force and not (args.resume or args.resume_from is not None):
+        print("error: --force applies to --resume and --resume-from only", file=sys.stderr)
+        return 2
     policy_of = resolve_routing(cfg, make_env(cfg.env).possible_agents)
     console.print(
         f"[bold]atgrpo train[/] {cfg.run.name}: env {cfg.env.name} "
@@ -82,28 +88,41 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
         f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
     )
-    with Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        bar = progress.add_task("training", total=cfg.train.steps)
+    try:  # outside the bar, whose console would take these lines to stdout
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
+            bar = progress.add_task("training", total=cfg.train.steps)
 
-        def on_step(step: int, metrics: dict[str, float]) -> None:
-            # The step's line is the console logger's (run.loggers); here only the bar moves.
-            rewards = [
-                v for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/mean")
-            ]
-            mean = sum(rewards) / max(1, len(rewards))
-            success = metrics.get("rollout/success", 0.0)
-            progress.update(
-                bar, completed=step, description=f"reward {mean:+.2f} success {success:.2f}"
+            def on_step(step: int, metrics: dict[str, float]) -> None:
+                # The step's line is the console logger's (run.loggers); here only the bar moves.
+                rewards = [
+                    v for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/mean")
+                ]
+                mean = sum(rewards) / max(1, len(rewards))
+                success = metrics.get("rollout/success", 0.0)
+                progress.update(
+                    bar, completed=step, description=f"reward {mean:+.2f} success {success:.2f}"
+                )
+
+            result = train(
+                cfg,
+                resume=args.resume,
+                on_step=on_step,
+                resume_from=args.resume_from,
+                force=args.force,
             )
-
-        result = train(cfg, resume=args.resume, on_step=on_step)
+    except Interrupted as exc:  # SIGTERM: stopped after a step, its checkpoint written
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except (TrainError, CheckpointError) as exc:  # the folder is in use; nothing to resume
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if result.eval_before is not None:
         _print_eval("held-out success before training", result.eval_before)
     if result.eval_after is not None:
@@ -192,7 +211,7 @@ def _train_comparison(comparison: Any) -> None:
 def _evaluate_comparison(comparison: Any) -> int:
     from rich.table import Table
 
-    from atgrpo.compare import Cell, run_comparison, table_rows, write_tables
+    from atgrpo.compare import Cell, run_comparison, table_rows, write_curves, write_tables
 
     out = Path(comparison.output_dir)
     total = len(comparison.methods) * len(comparison.benchmarks)
@@ -222,6 +241,8 @@ def _evaluate_comparison(comparison: Any) -> int:
     console.print(table)
     md, csv_path = write_tables(cells, out)
     console.print(f"tables: {md}  {csv_path}")
+    if (curves := write_curves(comparison)) is not None:
+        console.print(f"learning curves: {curves}")
     return 0
 
 
@@ -255,7 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a team of agents with AT-GRPO")
     p.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=5")
-    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the run's newest intact checkpoint"
+    )
+    p.add_argument(
+        "--resume-from",
+        type=int,
+        metavar="STEP",
+        help="continue from the checkpoint of step STEP; later checkpoints and log lines are "
+        "set aside",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="resume even when the model, policies, routing or env changed in the config",
+    )
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="evaluate a config's model or a checkpoint on held-out tasks")

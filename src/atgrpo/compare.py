@@ -448,6 +448,23 @@ def _mean_pass_at(cell: Cell, k: int) -> str:
     return f"{100 * sum(values) / len(values):.2f}" if values else ""
 
 
+def trained_runs(comparison: Comparison) -> dict[str, dict[str, list[Path]]]:
+    """Benchmark -> trained method -> the run folders of its seeds that exist."""
+    out: dict[str, dict[str, list[Path]]] = {b.name: {} for b in comparison.benchmarks}
+    for spec in planned_runs(comparison):
+        folders = out[spec.bench.name].setdefault(spec.method.label, [])
+        if spec.run_dir.is_dir():
+            folders.append(spec.run_dir)
+    return out
+
+
+def write_curves(comparison: Comparison) -> Path | None:
+    """``<output_dir>/curves.png``: the trained rows' learning curves (None: nothing trained)."""
+    from atgrpo.report.comparison import write_curves as draw
+
+    return draw(trained_runs(comparison), Path(comparison.output_dir) / "curves.png")
+
+
 def write_tables(cells: list[Cell], output_dir: Path) -> tuple[Path, Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
     md, table_csv = output_dir / "table.md", output_dir / "table.csv"
