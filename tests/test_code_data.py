@@ -33,8 +33,8 @@ from atgrpo.data.code import (
     run_test_batches,
     run_tests,
 )
-from atgrpo.envs.splits import Split
 from atgrpo.sandbox import SandboxLimits
+from atgrpo.splits import Split
 
 pytestmark = pytest.mark.filterwarnings("ignore::atgrpo.sandbox.SandboxWarning")
 

@@ -25,7 +25,7 @@ from atgrpo.envs.code import (
     CodeWorkflow,
     parse_tester_tests,
 )
-from atgrpo.envs.splits import Split
+from atgrpo.splits import Split
 
 pytestmark = pytest.mark.filterwarnings("ignore::atgrpo.sandbox.SandboxWarning")
 

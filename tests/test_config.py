@@ -102,6 +102,6 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_cli_reports_a_bad_key_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["train", str(REPO / "configs" / "tiny.yaml"), "train.stepz=3"])
     assert code == 2
-    out = capsys.readouterr().out
-    assert "unknown config key 'train.stepz'" in out
-    assert "Traceback" not in out
+    err = capsys.readouterr().err
+    assert "unknown config key 'train.stepz'" in err
+    assert "Traceback" not in err

@@ -98,7 +98,8 @@ def graded_rewards(ray: Any) -> Iterator[None]:
     cloudpickle.register_pickle_by_value(this_module)
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setitem(ENV_REGISTRY, "plan_path", GradedPlanPath.from_config)
+            graded = dataclasses.replace(ENV_REGISTRY["plan_path"], env_class=GradedPlanPath)
+            mp.setitem(ENV_REGISTRY, "plan_path", graded)
             yield
     finally:
         cloudpickle.unregister_pickle_by_value(this_module)

@@ -33,7 +33,7 @@ from atgrpo.data.math import (
     reasoning_gym_problems,
     verify,
 )
-from atgrpo.envs.splits import Split
+from atgrpo.splits import Split
 
 pytest.importorskip("math_verify", reason="the math extra (math-verify) is not installed")
 

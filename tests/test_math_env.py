@@ -13,7 +13,7 @@ from atgrpo.data.math import MathDataConfig, MathProblem, MathSplits
 from atgrpo.envs.checker import check_env
 from atgrpo.envs.math import REASONER, TOOL, MathConfig, MathEnv, answer_from_output
 from atgrpo.envs.puzzle import WorkflowKind
-from atgrpo.envs.splits import Split, split_seeds
+from atgrpo.splits import Split, split_seeds
 
 pytest.importorskip("math_verify", reason="the math extra (math-verify) is not installed")
 

@@ -21,8 +21,8 @@ from atgrpo.envs import (
     split_of,
     split_seeds,
 )
-from atgrpo.envs.parsing import extract_code, parse_moves
 from atgrpo.envs.plan_path import GridInstance
+from atgrpo.parsing import extract_code, parse_moves
 from conftest import FakeSandbox
 
 MALFORMED = [

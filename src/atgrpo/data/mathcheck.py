@@ -22,7 +22,7 @@ import threading
 import time
 
 from atgrpo.data.base import DatasetError
-from atgrpo.envs.parsing import without_surrogates
+from atgrpo.parsing import without_surrogates
 
 MAX_ANSWER_CHARS = 1000  # longer predictions are wrong without being parsed
 MAX_BOXED_CANDIDATES = 16  # \boxed{ openings tried by extract_boxed, from the last

@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, runtime_checkable
 
-from atgrpo.envs.splits import SEED_RANGES, Split
+from atgrpo.splits import SEED_RANGES, Split
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
 
@@ -122,11 +122,26 @@ class MultiAgentEnv(Protocol):
 
 
 class TurnBasedEnv:
-    """Bookkeeping shared by envs: turn order, turn counter, terminations and truncations.
+    """The turn template shared by envs: turn order, turn counter, terminations, truncations,
+    infos and primed answers.
 
-    A concrete env subclasses this (one level), calls :meth:`_start_episode` from ``reset`` and
-    :meth:`_advance` at the end of ``step`` with whether the task has ended. ``clone`` must copy
-    every mutable attribute; ``copy.deepcopy(self)`` is the simple correct default.
+    A concrete env subclasses this (one level) and writes only its own parts:
+
+    * ``reset(seed=, options=)`` draws the task and calls :meth:`_start_episode`
+      (:meth:`_split_option` and :meth:`_seed_or_random` read its arguments);
+    * ``_prompt(agent_id)``: the agent's chat messages (system and user) in the current state;
+    * ``_act(agent_id, text)``: apply ``text``, the agent's answer prefix followed by its
+      completion, and return its :class:`StepOutcome` and whether the task is over (solved or
+      failed for good); it never raises on a malformed text;
+    * ``answer_prefix(agent_id)`` (optional, default ``""``): the primed start of the answer;
+    * the ``success`` property (strict; a timeout is never success).
+
+    :meth:`step` refuses a finished episode, joins prefix and completion, records the outcome's
+    info in ``infos``, and hands the turn to the next agent, ending the episode when the task is
+    over or after ``workflow.max_turns`` turns. :meth:`observe` checks the agent and appends the
+    answer prefix as a final assistant message, which the model continues. An env may override
+    ``step`` or ``observe`` instead and call :meth:`_advance` itself. ``clone`` must copy every
+    mutable attribute; ``copy.deepcopy(self)`` is the simple correct default.
     """
 
     workflow: Workflow
@@ -142,6 +157,47 @@ class TurnBasedEnv:
         self.infos: dict[str, dict[str, Any]] = {a: {} for a in workflow.agents}
         self._seed: int | None = None
         self._split = Split.TRAIN
+
+    # -- the template -----------------------------------------------------------------------
+
+    def step(self, action: str) -> StepOutcome:
+        """Apply the completion of ``agent_selection``; never raises on a malformed action."""
+        if self.done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        agent_id = self.agent_selection
+        text = self.answer_prefix(agent_id) + action  # the completion continues the prefix
+        outcome, task_over = self._act(agent_id, text)
+        self.infos[agent_id] = outcome.info
+        self._advance(task_over=task_over)
+        return outcome
+
+    def observe(self, agent_id: str) -> list[Message]:
+        """``_prompt(agent_id)``, then the answer prefix (if any) as an assistant message."""
+        if agent_id not in self.possible_agents:
+            raise ValueError(f"unknown agent {agent_id!r}; agents: {list(self.possible_agents)}")
+        messages = self._prompt(agent_id)
+        if prefix := self.answer_prefix(agent_id):
+            # A final assistant message is continued by the model (see policies.make_encoder).
+            messages.append({"role": "assistant", "content": prefix})
+        return messages
+
+    def answer_prefix(self, agent_id: str) -> str:
+        """The primed start of ``agent_id``'s answer; "" (none) unless an env overrides it."""
+        return ""
+
+    def _prompt(self, agent_id: str) -> list[Message]:
+        """The chat messages of ``agent_id``'s prompt, without the answer prefix."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _prompt(agent_id) or override observe()"
+        )
+
+    def _act(self, agent_id: str, text: str) -> tuple[StepOutcome, bool]:
+        """Apply ``text`` (prefix + completion) of ``agent_id``: (outcome, task over)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _act(agent_id, text) or override step()"
+        )
+
+    # -- bookkeeping --------------------------------------------------------------------------
 
     def _start_episode(self) -> None:
         self.agents = list(self.possible_agents)

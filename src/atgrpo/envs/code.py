@@ -51,7 +51,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -70,8 +70,8 @@ from atgrpo.data.code import (
     run_test_batches,
 )
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.envs.parsing import extract_code, without_surrogates
-from atgrpo.envs.splits import Split
+from atgrpo.parsing import extract_code, without_surrogates
+from atgrpo.splits import Split
 
 CODER = "coder"
 TESTER = "tester"
@@ -308,6 +308,8 @@ class CodeEnv(TurnBasedEnv):
     Rewards, answer formats and termination are in the module docstring.
     """
 
+    config_class: ClassVar[type[CodeConfig]] = CodeConfig  # env.* is validated by it
+
     config: CodeConfig
 
     def __init__(self, config: CodeConfig | None = None) -> None:
@@ -324,10 +326,6 @@ class CodeEnv(TurnBasedEnv):
         self._coder_parsed = True  # the coder's last answer had a code block
         self._feedback: TestRun | None = None  # the latest tests run on a solution
         self._history: list[str] = []  # one line per earlier turn's test run
-
-    @classmethod
-    def from_config(cls, config: CodeConfig) -> CodeEnv:
-        return cls(config)
 
     @property
     def dataset(self) -> CodeDataset:
@@ -384,18 +382,8 @@ class CodeEnv(TurnBasedEnv):
 
     # -- step ----------------------------------------------------------------------------------
 
-    def step(self, action: str) -> StepOutcome:
-        if self.done:
-            raise RuntimeError("step() called on a finished episode; call reset() first")
-        agent_id = self.agent_selection
-        action = self.answer_prefix(agent_id) + action  # the completion continues the prefix
-        if agent_id == CODER:
-            outcome, task_over = self._coder_step(action)
-        else:
-            outcome, task_over = self._tester_step(action)
-        self.infos[agent_id] = outcome.info
-        self._advance(task_over=task_over)
-        return outcome
+    def _act(self, agent_id: str, text: str) -> tuple[StepOutcome, bool]:
+        return self._coder_step(text) if agent_id == CODER else self._tester_step(text)
 
     def _team_reward(self) -> float:
         return 1.0 if self._solution_correct else 0.0
@@ -486,9 +474,7 @@ class CodeEnv(TurnBasedEnv):
 
     # -- observations --------------------------------------------------------------------------
 
-    def observe(self, agent_id: str) -> list[Message]:
-        if agent_id not in self.possible_agents:
-            raise ValueError(f"unknown agent {agent_id!r}; agents: {list(self.possible_agents)}")
+    def _prompt(self, agent_id: str) -> list[Message]:
         if agent_id == CODER:
             system = "You are a programmer. You write correct, efficient Python 3 code."
             parts = [self._problem_text(), *self._coder_progress(), self._coder_instruction()]
@@ -500,14 +486,10 @@ class CodeEnv(TurnBasedEnv):
                 *self._tester_progress(),
                 self._tester_instruction(),
             ]
-        messages = [
+        return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n\n".join(p for p in parts if p)},
         ]
-        if prefix := self.answer_prefix(agent_id):
-            # A final assistant message is continued by the model (see policies.make_encoder).
-            messages.append({"role": "assistant", "content": prefix})
-        return messages
 
     def answer_prefix(self, agent_id: str) -> str:
         """The primed start of ``agent_id``'s answer ("" unless ``prime_answers``)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,9 +25,9 @@ from atgrpo import sandbox
 from atgrpo.data.math import MathDataConfig, MathProblem, MathSplits, load_splits
 from atgrpo.data.mathcheck import MAX_ANSWER_CHARS, extract_boxed, verify
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.envs.parsing import extract_code, without_surrogates
 from atgrpo.envs.puzzle import WorkflowKind
-from atgrpo.envs.splits import SEED_RANGES, Split
+from atgrpo.parsing import extract_code, without_surrogates
+from atgrpo.splits import SEED_RANGES, Split
 
 TOOL = "tool"
 REASONER = "reasoner"
@@ -179,6 +179,8 @@ class MathEnv(TurnBasedEnv):
     with ``require_agreement``, the episode ended by agreement, never by truncation.
     """
 
+    config_class: ClassVar[type[MathConfig]] = MathConfig  # env.* is validated by it
+
     config: MathConfig
 
     def __init__(self, config: MathConfig | None = None, splits: MathSplits | None = None) -> None:
@@ -199,10 +201,6 @@ class MathEnv(TurnBasedEnv):
         self._answered = False  # the reasoner has acted at least once
         self._correct = False  # the latest answer verifies against the ground truth
         self._agreed = False
-
-    @classmethod
-    def from_config(cls, config: MathConfig) -> MathEnv:
-        return cls(config)
 
     @property
     def splits(self) -> MathSplits:
@@ -256,15 +254,9 @@ class MathEnv(TurnBasedEnv):
 
     # -- step ----------------------------------------------------------------------------------
 
-    def step(self, action: str) -> StepOutcome:
-        if self.done:
-            raise RuntimeError("step() called on a finished episode; call reset() first")
-        agent_id = self.agent_selection
-        text = self.answer_prefix(agent_id) + action  # the completion continues the prefix
+    def _act(self, agent_id: str, text: str) -> tuple[StepOutcome, bool]:
         outcome = self._tool_step(text) if agent_id == TOOL else self._reasoner_step(text)
-        self.infos[agent_id] = outcome.info
-        self._advance(task_over=self._agreed)
-        return outcome
+        return outcome, self._agreed
 
     def _verify(self, prediction: str, truth: str) -> bool:
         return verify(prediction, truth, timeout_s=self.config.verify_timeout_s)
@@ -354,9 +346,7 @@ class MathEnv(TurnBasedEnv):
 
     # -- observations --------------------------------------------------------------------------
 
-    def observe(self, agent_id: str) -> list[Message]:
-        if agent_id not in self.possible_agents:
-            raise ValueError(f"unknown agent {agent_id!r}; agents: {list(self.possible_agents)}")
+    def _prompt(self, agent_id: str) -> list[Message]:
         parts = [f"Problem:\n{self.problem.question}", *self._progress_lines(agent_id)]
         if agent_id == TOOL:
             system = "You solve math problems by writing Python programs."
@@ -373,14 +363,10 @@ class MathEnv(TurnBasedEnv):
                 parts.append("Use the helper's result if it is right; otherwise solve it yourself.")
             example = ", like: \\boxed{5}" if self.config.examples else "."
             parts.append("Give your final answer in \\boxed{}" + example)
-        messages = [
+        return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n\n".join(parts)},
         ]
-        if prefix := self.answer_prefix(agent_id):
-            # A final assistant message is continued by the model (see policies.make_encoder).
-            messages.append({"role": "assistant", "content": prefix})
-        return messages
 
     def answer_prefix(self, agent_id: str) -> str:
         """The primed start of ``agent_id``'s answer ("" unless ``prime_answers``)."""

@@ -10,14 +10,14 @@ PuzzleEnv`. :class:`PlanPathEnv` is that env bound to :data:`PLAN_PATH`.
 from __future__ import annotations
 
 import random
-from typing import Literal, Self
+from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
 from atgrpo.envs.grid import MOVES, Cell, GridInstance, step_cell
-from atgrpo.envs.parsing import parse_moves
 from atgrpo.envs.puzzle import Effect, PuzzleConfig, PuzzleEnv, PuzzleSpec
-from atgrpo.envs.splits import Split, split_of
+from atgrpo.parsing import parse_moves
+from atgrpo.splits import Split, split_of
 
 MAX_GENERATION_ATTEMPTS = 10_000
 MAX_MOVES_SHOWN = 20  # of the previous plan, in later turns
@@ -236,12 +236,10 @@ class PlanPathEnv(PuzzleEnv[PlanPathConfig, PlanPathPuzzle]):
     name that configs, tests and users already know.
     """
 
+    config_class: ClassVar[type[PlanPathConfig]] = PlanPathConfig  # env.* is validated by it
+
     def __init__(self, config: PlanPathConfig | None = None) -> None:
         super().__init__(config or PlanPathConfig(), PLAN_PATH)
-
-    @classmethod
-    def from_config(cls, config: PlanPathConfig) -> PlanPathEnv:
-        return cls(config)
 
     def reset_to_instance(self, instance: GridInstance) -> None:
         """Start an episode on a given maze (hand-made tasks, tests)."""

@@ -31,12 +31,14 @@ Adding a puzzle (see plan_path.py for a complete one):
    action illegal as a whole (it may look at the state, never change it); ``apply`` documents
    its score formula; ``solved`` is strict; ``copy`` shares only immutable parts.
 3. ``generate(cfg, seed, split)``: deterministic in ``seed``; draws candidates until
-   ``split_of(puzzle.key) is split`` (envs/splits.py), with a clear error when it gives up.
+   ``split_of(puzzle.key) is split`` (atgrpo/splits.py), with a clear error when it gives up.
 4. ``SUDOKU = PuzzleSpec(name="sudoku", ..., generate=generate)``: prompts short and plain,
    each instruction with an example answer.
-5. Register it in ``envs/__init__.py`` (``ENV_REGISTRY["sudoku"] = lambda cfg: PuzzleEnv(cfg,
-   SUDOKU)``, ``EnvConfig``, ``__all__``) and add the config to ``config.py``'s ``EnvConfig``
-   union.
+5. The env: ``class SudokuEnv(PuzzleEnv[SudokuConfig, SudokuPuzzle])`` with
+   ``config_class = SudokuConfig`` and ``__init__(self, config)`` binding ``SUDOKU``; add it to
+   ``BUILTIN_ENVS`` in ``envs/registry.py`` (the registry, the ``env`` config union and
+   docs/config.md follow from that tuple; regenerate docs/config.md) and export it in
+   ``envs/__init__.py``. An env outside atgrpo needs none of this: docs/custom-env.md.
 6. Tests: ``check_env(PuzzleEnv(cfg, SUDOKU))`` for both workflows, the oracle solves, rewards
    hand-computed on a hand-made instance (``env.reset_to(puzzle)``), split disjointness.
 """
@@ -53,8 +55,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from atgrpo import sandbox
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.envs.parsing import extract_code
-from atgrpo.envs.splits import Split
+from atgrpo.parsing import extract_code
+from atgrpo.splits import Split
 
 TOOL = "tool"
 PLANNER = "planner"
@@ -244,7 +246,7 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         """A new instance of ``options["split"]`` (default train) drawn with ``seed``.
 
         Splits never share an instance, whatever the seeds (invariant 5 of docs/design.md; see
-        :mod:`atgrpo.envs.splits`). ``seed=None`` draws a fresh random seed.
+        :mod:`atgrpo.splits`). ``seed=None`` draws a fresh random seed.
         """
         split = self._split_option(options)
         seed = self._seed_or_random(seed, split)
@@ -282,15 +284,9 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
 
     # -- step ----------------------------------------------------------------------------------
 
-    def step(self, action: str) -> StepOutcome:
-        if self.done:
-            raise RuntimeError("step() called on a finished episode; call reset() first")
-        agent_id = self.agent_selection
-        action = self.answer_prefix(agent_id) + action  # the completion continues the prefix
-        outcome = self._tool_step(action) if agent_id == TOOL else self._planner_step(action)
-        self.infos[agent_id] = outcome.info
-        self._advance(task_over=self.puzzle.solved or self.puzzle.dead)
-        return outcome
+    def _act(self, agent_id: str, text: str) -> tuple[StepOutcome, bool]:
+        outcome = self._tool_step(text) if agent_id == TOOL else self._planner_step(text)
+        return outcome, self.puzzle.solved or self.puzzle.dead
 
     def _tool_step(self, text: str) -> StepOutcome:
         cfg, puzzle = self.config, self.puzzle
@@ -348,23 +344,17 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
 
     # -- observations --------------------------------------------------------------------------
 
-    def observe(self, agent_id: str) -> list[Message]:
-        if agent_id not in self.possible_agents:
-            raise ValueError(f"unknown agent {agent_id!r}; agents: {list(self.possible_agents)}")
+    def _prompt(self, agent_id: str) -> list[Message]:
         spec = self.spec
         tool = agent_id == TOOL
         parts = [self.puzzle.render(), *self._progress_lines()]
         if not tool and TOOL in self.possible_agents:
             parts.append(self._tool_text())
         parts.append(spec.tool_instruction if tool else spec.planner_instruction)
-        messages = [
+        return [
             {"role": "system", "content": spec.tool_system if tool else spec.planner_system},
             {"role": "user", "content": "\n".join(parts)},
         ]
-        if prefix := self.answer_prefix(agent_id):
-            # A final assistant message is continued by the model (see policies.make_encoder).
-            messages.append({"role": "assistant", "content": prefix})
-        return messages
 
     def answer_prefix(self, agent_id: str) -> str:
         """The primed start of ``agent_id``'s answer ("" unless ``prime_answers``)."""

@@ -37,14 +37,14 @@ import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
 from atgrpo.envs.grid import MOVES, Cell
-from atgrpo.envs.parsing import parse_moves
 from atgrpo.envs.puzzle import Effect, PuzzleConfig, PuzzleEnv, PuzzleSpec
-from atgrpo.envs.splits import Split, split_of
+from atgrpo.parsing import parse_moves
+from atgrpo.splits import Split, split_of
 
 WALL, FLOOR, TARGET, BOX, BOX_ON_TARGET, PLAYER, PLAYER_ON_TARGET = "#.TB*P+"
 LEGEND = "# wall, . floor, T target, B box, * box on target, P you, + you on a target"
@@ -458,12 +458,10 @@ class SokobanEnv(PuzzleEnv[SokobanConfig, SokobanPuzzle]):
     """:class:`PuzzleEnv` bound to :data:`SOKOBAN`; ``SokobanEnv(cfg)`` is ``PuzzleEnv(cfg,
     SOKOBAN)``, with a constructor for hand-made rooms."""
 
+    config_class: ClassVar[type[SokobanConfig]] = SokobanConfig  # env.* is validated by it
+
     def __init__(self, config: SokobanConfig | None = None) -> None:
         super().__init__(config or SokobanConfig(), SOKOBAN)
-
-    @classmethod
-    def from_config(cls, config: SokobanConfig) -> SokobanEnv:
-        return cls(config)
 
     def reset_to_rows(self, rows: Sequence[str]) -> None:
         """Start an episode on a hand-made room (:meth:`Room.from_rows`)."""

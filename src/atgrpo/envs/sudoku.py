@@ -17,12 +17,12 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
 from atgrpo.envs.puzzle import Effect, PuzzleConfig, PuzzleEnv, PuzzleSpec
-from atgrpo.envs.splits import Split, split_of
+from atgrpo.splits import Split, split_of
 
 Grid = tuple[int, ...]  # n * n cells, row-major; 0 is an empty cell
 Fill = tuple[int, int, int]  # (row, column, digit), 0-based row and column
@@ -510,12 +510,10 @@ class SudokuEnv(PuzzleEnv[SudokuConfig, SudokuPuzzle]):
     """:class:`PuzzleEnv` bound to :data:`SUDOKU`; ``SudokuEnv(cfg)`` is ``PuzzleEnv(cfg,
     SUDOKU)``, with a constructor for hand-made instances."""
 
+    config_class: ClassVar[type[SudokuConfig]] = SudokuConfig  # env.* is validated by it
+
     def __init__(self, config: SudokuConfig | None = None) -> None:
         super().__init__(config or SudokuConfig(), SUDOKU)
-
-    @classmethod
-    def from_config(cls, config: SudokuConfig) -> SudokuEnv:
-        return cls(config)
 
     def reset_to_instance(self, instance: SudokuInstance) -> None:
         """Start an episode on a given puzzle (hand-made tasks, tests)."""
