@@ -20,6 +20,7 @@ import resource
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -144,7 +145,8 @@ def test_clean_environment(backend: Backend, monkeypatch: pytest.MonkeyPatch) ->
     r = run_python(code, FAST)
     env, cwd, files = json.loads(r.stdout)
     assert env.pop("PWD", cwd) == cwd  # bwrap always sets PWD
-    assert set(env) == {"PATH", "LANG", "HOME", "PYTHONDONTWRITEBYTECODE"}
+    assert set(env) == {"PATH", "LANG", "HOME", "PYTHONDONTWRITEBYTECODE", *sandbox._THREAD_VARS}
+    assert [env[name] for name in sandbox._THREAD_VARS] == ["1"] * len(sandbox._THREAD_VARS)
     assert env["PATH"] == "/usr/bin:/bin"
     assert env["HOME"] == cwd
     assert files == ["prog.py"]  # nothing of the launch's own files
@@ -161,6 +163,67 @@ def test_work_dir_may_have_spaces_in_its_path(monkeypatch: pytest.MonkeyPatch) -
         assert list(base.iterdir()) == []
     finally:
         shutil.rmtree(base)
+
+
+def test_programs_import_the_training_environments_packages(backend: Backend) -> None:
+    code = "import numpy, sympy\nprint(int(numpy.arange(10).sum()), sympy.factorint(48))"
+    r = run_python(code, SandboxLimits(wall_time_s=60.0, cpu_time_s=60))
+    assert r.status is ExitStatus.OK, r.stderr
+    assert r.stdout == "45 {2: 4, 3: 1}\n"
+    assert sandbox._get_launcher().python == sys.executable
+
+
+@needs_root
+def test_an_unreachable_interpreter_dir_is_exposed_alone_and_read_only(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _skip_without_private_fs()
+    if os.stat("/var/cache").st_dev != os.stat("/").st_dev:
+        pytest.skip("/var/cache is not on the root file system")
+    private = Path(tempfile.mkdtemp(dir="/var/cache", prefix="atgrpo-test-"))  # mode 0700
+    try:
+        (private / "lib").mkdir(mode=0o755)
+        (private / "lib" / "probe_module.py").write_text("VALUE = 42\n")
+        (private / "secret").write_text("s3cret")
+        own = sandbox._interpreter_dirs()  # still needed, to run the program at all
+        monkeypatch.setattr(sandbox, "_interpreter_dirs", lambda: [*own, str(private / "lib")])
+        exposed = sandbox._exposure(SHARED_TMP_DIRS)
+        assert str(private) in exposed.covers and str(private / "lib") in exposed.binds
+        launcher = dataclasses.replace(sandbox._get_launcher(), exposed=exposed)
+        monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
+        code = f"""
+import errno, os, sys
+sys.path.insert(0, {str(private / "lib")!r})
+import probe_module
+print(probe_module.VALUE, os.listdir({str(private)!r}))
+try:
+    print(open({str(private / "secret")!r}).read())
+except OSError as exc:
+    print(type(exc).__name__)
+try:
+    open({str(private / "lib" / "new")!r}, "w")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+        r = run_python(code, FAST)
+        assert r.status is ExitStatus.OK, r.stderr
+        listed, secret, write = r.stdout.splitlines()
+        assert listed == "42 ['lib']"  # nothing else of the private dir is there
+        assert secret == "FileNotFoundError"
+        assert write in ("EROFS", "EACCES")
+        assert not (private / "lib" / "new").exists()
+    finally:
+        shutil.rmtree(private)
+
+
+@needs_root
+def test_without_the_exposure_the_fallback_names_the_missing_packages() -> None:
+    launcher = sandbox._get_launcher()
+    if not launcher.exposed.covers:
+        pytest.skip("this interpreter is reachable by the sandbox user without help")
+    with pytest.warns(SandboxWarning, match=r"without \d+ of this environment's packages: .*numpy"):
+        fallback = sandbox._with_python(dataclasses.replace(launcher, exposed=sandbox._Exposure()))
+    assert fallback.python != sys.executable
 
 
 # --- hostile programs -------------------------------------------------------------------------

@@ -5,15 +5,23 @@ atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B
 atgrpo compare FILE [--train | --status] [--output-dir DIR] [--num-tasks N]   the methods table
 atgrpo models prepare [--force]
 atgrpo config CONFIG [key=value ...]        print the resolved config
+atgrpo config --describe [SECTION]          every key: type, default, meaning (docs/config.md)
 atgrpo report RUN [RUN ...] [--out PATH]     one offline report.html: curves and rollouts
+
+key=value overrides may stand anywhere on the line. An expected failure (a config mistake, a
+missing or damaged file, a full disk, a model folder without a tokenizer) is one line on stderr
+that names the problem and the fix; ``--verbose`` (anywhere on the line) shows the traceback
+instead, and third-party warnings and progress bars.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,25 +29,45 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from atgrpo import __version__
+from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import ConfigError, dump_config, load_config
 from atgrpo.data.base import DatasetError
 from atgrpo.grid import RunFailedError
-from atgrpo.models import ModelError, prepare_default_model, prepare_tiny_model
+from atgrpo.models import ModelError, load_model, prepare_default_model, prepare_tiny_model
+from atgrpo.prompts import PromptTooLongError
 from atgrpo.sandbox import SandboxSetupError
 
 console = Console(highlight=False, soft_wrap=True)
 
+# Failures whose message is ours: one line that already names the problem and the fix.
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    ModelError,
+    DatasetError,
+    SandboxSetupError,
+    CheckpointError,
+    RunFailedError,
+    PromptTooLongError,
+)
+# Libraries whose warnings --verbose alone shows (ours always show, as one line).
+_CHATTY = r"(transformers|torch|peft|huggingface_hub|accelerate|safetensors|tokenizers)(\.|$)"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 
-def _quiet_libraries() -> None:
-    # transformers and tokenizers are chatty on stderr; keep the terminal for our lines.
+
+def _quiet_libraries(verbose: bool = False) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. the GGUF conversion's progress bar
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded at run time
     # Our own warnings (e.g. the sandbox's) as one line, without the source line.
     warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
+    if verbose:
+        return  # the libraries' own warnings, logs and progress bars
+    # transformers and tokenizers are chatty on stderr; keep the terminal for our lines.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. the GGUF conversion's progress bar
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=_CHATTY)
     try:
         from transformers.utils import logging as hf_logging
 
@@ -57,7 +85,7 @@ def _print_eval(title: str, report: object) -> None:
     n = report.samples_per_task
     sampled = "".join(f", pass@{k} {v:.1%}" for k, v in report.pass_at.items())
     console.print(
-        f"[bold]{title}[/]: success {report.success_rate:.1%}"
+        f"[bold]{escape(title)}[/]: success {report.success_rate:.1%}"
         + (f" (avg@{n}{sampled})" if n > 1 else "")
         + f" on {report.num_tasks} {report.split} tasks  (team return "
         f"{report.mean_team_return:+.3f}; valid-format rate {valid})"
@@ -134,7 +162,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from atgrpo import checkpoint as ckpt
+    from atgrpo.api import load_checkpoint
     from atgrpo.envs import Split, make_env
     from atgrpo.evaluate import eval_json_path, write_eval_json
     from atgrpo.policies import swapped_routing
@@ -150,7 +178,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         swap = swapped_routing(cfg, agents, (pair[0], pair[1]))
         cfg = load_config(args.config, [*args.overrides, *swap])
         suffix = f"-swap-{pair[0]}-{pair[1]}"
-    checkpoint = ckpt.resolve_checkpoint(args.checkpoint) if args.checkpoint else None
+    checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None  # verified
     seed_everything(cfg.run.seed)
     rt = build_runtime(cfg, checkpoint)
     try:
@@ -160,7 +188,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         rt.close()
     _print_eval(f"{checkpoint or cfg.model.path} ({routing})", report)
     out = write_eval_json(report, eval_json_path(report.split, checkpoint, cfg.run_dir, suffix))
-    console.print(f"per-task results: {out}")
+    console.print(f"per-task results: {escape(str(out))}")
     return 0
 
 
@@ -187,7 +215,7 @@ def _print_grid_status(comparison: Any) -> None:
         steps = st.spec.cfg.train.steps
         console.print(
             f"{st.state:<8} {st.step:>4}/{steps}  {escape(st.spec.method.label)} | "
-            f"{escape(st.spec.bench.name)} | seed {st.spec.seed}  ({st.spec.run_dir})"
+            f"{escape(st.spec.bench.name)} | seed {st.spec.seed}  ({escape(str(st.spec.run_dir))})"
         )
 
 
@@ -199,7 +227,7 @@ def _train_comparison(comparison: Any) -> None:
         name = f"{escape(spec.method.label)} | {escape(spec.bench.name)} | seed {spec.seed}"
         if what == "start":
             how = "resuming from step " + str(st.step) if st.state == "partial" else "training"
-            console.print(f"{how}: {name} -> {spec.run_dir}")
+            console.print(f"{how}: {name} -> {escape(str(spec.run_dir))}")
         else:
             console.print(f"  trained {name} in {what}")
 
@@ -240,20 +268,30 @@ def _evaluate_comparison(comparison: Any) -> int:
         table.add_row(*(escape(x) for x in row))
     console.print(table)
     md, csv_path = write_tables(cells, out)
-    console.print(f"tables: {md}  {csv_path}")
+    console.print(f"tables: {escape(str(md))}  {escape(str(csv_path))}")
     if (curves := write_curves(comparison)) is not None:
-        console.print(f"learning curves: {curves}")
+        console.print(f"learning curves: {escape(str(curves))}")
     return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
     path = prepare_tiny_model() if args.tiny else prepare_default_model(force=args.force)
-    console.print(f"model ready: {path}")
+    console.print(f"model ready: {escape(str(path))}")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    console.print(dump_config(load_config(args.config, args.overrides)), end="")
+    # Printed as it is: rich markup would eat brackets in values (run.name=a[bold]b).
+    if args.describe is not None:
+        from atgrpo.config_docs import describe
+
+        if args.config is not None or args.overrides:
+            raise ConfigError("--describe takes a SECTION, not a CONFIG or overrides")
+        sys.stdout.write(describe(args.describe or None))
+        return 0
+    if args.config is None:
+        raise ConfigError("give a CONFIG file to print, or --describe [SECTION] for every key")
+    sys.stdout.write(dump_config(load_config(args.config, args.overrides)))
     return 0
 
 
@@ -265,12 +303,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     except ReportError as exc:  # a missing run folder, or one without metrics.jsonl
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    console.print(f"report: {out}")
+    console.print(f"report: {escape(str(out))}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atgrpo", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"atgrpo {__version__}")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="on a failure, show the traceback instead of one line; show third-party warnings "
+        "and progress bars (may also follow the subcommand)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a team of agents with AT-GRPO")
@@ -327,9 +372,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tiny", action="store_true", help="build the tiny random test model instead")
     q.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("config", help="print a config with defaults and overrides applied")
-    p.add_argument("config")
+    p = sub.add_parser(
+        "config", help="print a config with defaults and overrides applied, or describe every key"
+    )
+    p.add_argument("config", nargs="?", help="YAML config, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*")
+    p.add_argument(
+        "--describe",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="print every key with its type, default and meaning (docs/config.md); SECTION: "
+        "run, env, env.math, package.module:ClassName, ...",
+    )
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("report", help="write one self-contained report.html of one or more runs")
@@ -340,24 +395,107 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_libraries()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    verbose = args.verbose or "--verbose" in extra
+    _quiet_libraries(verbose)
+    if problem := _take_overrides(args, [t for t in extra if t != "--verbose"]):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args))
-    except (
-        ConfigError,
-        ModelError,
-        DatasetError,
-        SandboxSetupError,
-        FileNotFoundError,
-        FileExistsError,
-        RunFailedError,
-    ) as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}")
-        return 2
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: resume with --resume from the last checkpoint")
+        print("interrupted: resume with --resume from the last checkpoint", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if verbose:
+            traceback.print_exc()
+        else:
+            print(f"error: {describe_failure(exc)}", file=sys.stderr)
+        return 2 if _expected(exc) else 1
+
+
+def _take_overrides(args: argparse.Namespace, extra: list[str]) -> str | None:
+    """Append the ``key=value`` tokens argparse left over (an override after an option) to the
+    command's overrides; the problem with any other leftover, else None."""
+    overrides = [t for t in extra if "=" in t and not t.startswith("-")]
+    if other := [t for t in extra if t not in overrides]:
+        return (
+            f"unrecognized argument {other[0]!r} (overrides are key=value, e.g. train.steps=5; "
+            f"see atgrpo {args.command} --help)"
+        )
+    if overrides and not hasattr(args, "overrides"):
+        return f"atgrpo {args.command} takes no key=value overrides, got {overrides[0]!r}"
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return None
+
+
+def _expected(exc: BaseException) -> bool:
+    return isinstance(exc, (*EXPECTED_ERRORS, OSError)) or _model_load_path(exc) is not None
+
+
+def describe_failure(exc: BaseException) -> str:
+    """``exc`` as one line that names the problem and, where it can, the fix."""
+    if isinstance(exc, EXPECTED_ERRORS):
+        return _one_line(str(exc))
+    if (path := _model_load_path(exc)) is not None:
+        return _model_failure(path, exc)
+    if isinstance(exc, OSError):
+        return _os_failure(exc)
+    return (
+        f"unexpected {type(exc).__name__}: {_one_line(str(exc))} (rerun with --verbose for the "
+        "traceback, and please report it)"
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _os_failure(exc: OSError) -> str:
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"no space left on the device{where}: free some space, or set run.output_dir to a "
+            "folder on another disk"
+        )
+    if isinstance(exc, PermissionError):
+        return (
+            f"permission denied{where}: make it readable and writable for this user, or set "
+            "run.output_dir to a folder of yours"
+        )
+    if exc.errno == errno.EROFS:
+        return f"read-only file system{where}: set run.output_dir to a writable folder"
+    if exc.errno is None or not exc.strerror:
+        return _one_line(str(exc))  # a message of ours, e.g. "... is neither a checkpoint ..."
+    return f"{exc.strerror.lower()}{where}"
+
+
+def _model_load_path(exc: BaseException) -> str | None:
+    """The model path :func:`atgrpo.models.load_model` was loading when ``exc`` was raised in
+    it (by transformers, safetensors, ...), else None."""
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code is load_model.__code__:
+            return str(frame.f_locals.get("source", frame.f_locals.get("path")))
+    return None
+
+
+def _model_failure(path: str, exc: BaseException) -> str:
+    folder = Path(path)
+    fix = "point model.path (or the policy's model) at a folder saved with save_pretrained"
+    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        problem = "it has no tokenizer (tokenizer.json or tokenizer_config.json)"
+        fix = "save the tokenizer into it (tokenizer.save_pretrained) or " + fix
+    elif folder.is_dir() and not any(any(folder.glob(g)) for g in _WEIGHT_GLOBS):
+        problem = "it has no weights (model.safetensors or pytorch_model.bin)"
+        fix = "save the model into it (model.save_pretrained) or " + fix
+    elif type(exc).__name__ == "SafetensorError":
+        problem = f"a weights file is damaged ({_one_line(str(exc))})"
+        fix = "copy the model again, or for a checkpoint evaluate another one"
+    else:
+        problem = f"{type(exc).__name__}: {_one_line(str(exc))}"
+    return f"cannot load the model in {path}: {problem}; {fix}"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ third more than the rest of the launch of a trivial program.
   the program) and the shared temp dirs are fresh tmpfs of ``disk_mb`` each (and
   ``_TMPFS_INODES`` files), seen by this program only and gone when it exits. Nothing it writes
   reaches the host's disk or outlives it;
-- environment: every process of the chain gets a clean ``env`` (nothing from ``os.environ``);
+- environment: every process of the chain gets a clean ``env`` (nothing from ``os.environ``;
+  the thread counts of OpenMP / OpenBLAS / MKL set to 1);
 - network: an empty network namespace (loopback down): no connections at all, not even to
   127.0.0.1;
 - processes: a PID namespace with its own /proc. Its processes cannot see ours, and when the
@@ -78,11 +79,21 @@ Weaker set-ups, each announced once by a ``SandboxWarning``
   processes (including the trainer), write your files, and leave behind processes that left the
   process group.
 
-The interpreter is ``sys.executable`` when uid 65534 can run it; otherwise (e.g. a venv whose
-Python lives under /root) a system Python of the same major.minor version, with a warning,
-without this environment's site-packages. A ``SandboxSetupError`` is raised at first use when
-no such interpreter or launcher tool exists: that is a broken installation, not a bad program,
-which never raises.
+The interpreter
+---------------
+Programs run with ``sys.executable``, so they import what the training environment has
+installed (numpy, sympy, ...). Where its files are readable by others but a directory on the
+way is not (a venv whose Python lives under /root, mode 0700), the private file system makes
+them reachable, read-only, at their own paths: the first unsearchable directory (/root) gets an
+empty tmpfs inside the sandbox's mount namespace and only the interpreter's directories
+(``sys.prefix``, ``sys.base_prefix``, the real executable's and the site-packages) are bound
+into it, read-only (``_Exposure``; bubblewrap: ``--tmpfs`` and ``--ro-bind``). The rest of
+that directory stays invisible. Where that is impossible (as root without a private file
+system, or when the files themselves are not readable by others) programs run with a system
+Python of the same major.minor version, and a ``SandboxWarning`` names the packages they lack.
+(Not root, programs run as your own user, who can run this interpreter anyway.) A
+``SandboxSetupError`` is raised at first use when no such interpreter or launcher tool exists:
+that is a broken installation, not a bad program, which never raises.
 """
 
 from __future__ import annotations
@@ -91,14 +102,18 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import importlib.metadata
 import os
+import re
 import resource
 import select
 import shutil
 import signal
+import site
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -119,6 +134,8 @@ _SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 # Files and directories per private tmpfs: ``size=`` does not count inodes, which cost kernel
 # memory (about 1 KB each), so an unbounded count would let a program spend memory on empty files.
 _TMPFS_INODES = 8192
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_COVER_INODES = 1024  # the tmpfs over a directory that hides all but the interpreter's dirs
 _PROBE_TIMEOUT_S = 30.0
 # util-linux < 2.40 unshare reports a child killed by SIGKILL with this line and exit status 1
 # instead of dying of SIGKILL itself (util-linux issue #2614, fixed by PR #2617).
@@ -259,6 +276,24 @@ def run_many(
 
 
 @dataclass(frozen=True)
+class _Exposure:
+    """Directories of this interpreter that uid 65534 cannot reach, made reachable read-only.
+
+    A directory is unreachable when one of its ancestors is not searchable by others (a venv's
+    Python under /root). Inside the sandbox's own mount namespace each of ``covers`` (the
+    topmost such ancestors) gets an empty tmpfs, and each of ``binds`` is bound read-only at its
+    own path inside it, so every path, symlink and ``pyvenv.cfg`` stays valid while nothing
+    else of the covered directory is visible.
+    """
+
+    covers: tuple[str, ...] = ()
+    binds: tuple[str, ...] = ()
+
+    def cover_of(self, path: str) -> int:
+        return next(i for i, cover in enumerate(self.covers) if _inside(path, cover))
+
+
+@dataclass(frozen=True)
 class _Launcher:
     backend: Backend
     prefix: tuple[str, ...]  # argv up to the per-run part (the mount step or bwrap's options)
@@ -270,6 +305,7 @@ class _Launcher:
     namespaces: bool = False  # network/PID/IPC/UTS/mount namespaces
     private_fs: bool = False  # tmpfs work dir and temp dirs, read-only root (module docstring)
     shell: str = "/bin/sh"  # runs the mount step
+    exposed: _Exposure = _Exposure()  # applied with a private file system only
 
 
 _SETUP_LOCK = threading.Lock()
@@ -307,123 +343,147 @@ def _build_launcher(as_root: bool, backend: Backend) -> _Launcher:
             "not running as root: sandboxed programs run as your own user, with network access, "
             "and can read your files and signal your processes"
         )
-        python = _pick_python([*outer, prlimit, "--"], as_root)
-        return _Launcher(
-            backend, outer, (), prlimit, python, tmp_dirs=tmp_dirs, drop_privileges=False
+        plain = _Launcher(
+            backend, outer, (), prlimit, sys.executable, tmp_dirs=tmp_dirs, drop_privileges=False
         )
+        return _with_python(plain)
     uid = str(UNPRIVILEGED_UID)
     drop = (
         *(setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--inh-caps", "-all"),
         *("--bounding-set", "-all", "--no-new-privs"),
         *("--pdeathsig", "KILL", "--"),  # changing uid clears the parent-death signal
     )
-    python = _pick_python([*outer, *drop, prlimit, "--"], as_root)
+    base = _Launcher(
+        backend, outer, drop, prlimit, sys.executable, tmp_dirs, exposed=_exposure(tmp_dirs)
+    )
     if backend is Backend.BWRAP:
-        return _bwrap_launcher(outer, drop, prlimit, python, tmp_dirs)
-    return _unshare_launcher(outer, drop, prlimit, python, tmp_dirs)
+        return _with_python(_bwrap_launcher(base))
+    return _with_python(_unshare_launcher(base))
 
 
-def _unshare_launcher(
-    outer: tuple[str, ...],
-    drop: tuple[str, ...],
-    prlimit: str,
-    python: str,
-    tmp_dirs: tuple[str, ...],
-) -> _Launcher:
+def _unshare_launcher(base: _Launcher) -> _Launcher:
     unshare = shutil.which("unshare")
     ns_args = (
         *(unshare or "unshare", "--net", "--pid", "--ipc", "--uts", "--mount-proc"),
         *("--fork", "--kill-child", "--"),
     )
-    true = shutil.which("true") or "/bin/true"
-    problem = "unshare not found" if unshare is None else _probe([*outer, *ns_args, true])[1]
+    true = _true()
+    problem = "unshare not found" if unshare is None else _probe([*base.prefix, *ns_args, true])[1]
     if problem is not None:
         _warn(
             f"unshare does not work here ({problem}): sandboxed programs run as uid "
             f"{UNPRIVILEGED_UID} but with network access, without a PID namespace, and share "
-            f"the host's file system ({', '.join(tmp_dirs)} and their work dir on disk)"
+            f"the host's file system ({', '.join(base.tmp_dirs)} and their work dir on disk)"
         )
-        return _Launcher(Backend.UNSHARE, outer, drop, prlimit, python, tmp_dirs=tmp_dirs)
-    prefix = (*outer, *ns_args)
-    launcher = _Launcher(
-        Backend.UNSHARE,
-        prefix,
-        drop,
-        prlimit,
-        python,
-        tmp_dirs=tmp_dirs,
+        return dataclasses.replace(base, backend=Backend.UNSHARE)
+    launcher = dataclasses.replace(
+        base,
+        backend=Backend.UNSHARE,
+        prefix=(*base.prefix, *ns_args),
         namespaces=True,
         private_fs=True,
         shell=shutil.which("sh") or "/bin/sh",
     )
-    problem = _probe_launch(launcher)
+    launcher, problem = _checked(launcher)
     if problem is not None:
         _warn(
             f"cannot mount a private file system for sandboxed programs ({problem}): they "
-            f"share the host's {', '.join(tmp_dirs)}, where what they write persists, and write "
-            "their work dir on disk, bounded per file only"
+            f"share the host's {', '.join(base.tmp_dirs)}, where what they write persists, and "
+            "write their work dir on disk, bounded per file only"
         )
         return dataclasses.replace(launcher, private_fs=False)
     return launcher
 
 
-def _bwrap_launcher(
-    outer: tuple[str, ...],
-    drop: tuple[str, ...],
-    prlimit: str,
-    python: str,
-    tmp_dirs: tuple[str, ...],
-) -> _Launcher:
+def _bwrap_launcher(base: _Launcher) -> _Launcher:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxSetupError(
             f"{BACKEND_ENV_VAR}=bwrap but `bwrap` is not on PATH (Debian: apt-get install "
             f"bubblewrap); unset {BACKEND_ENV_VAR} to use unshare"
         )
-    prefix = (*outer, bwrap)
-    launcher = _Launcher(
-        Backend.BWRAP, prefix, drop, prlimit, python, tmp_dirs, namespaces=True, private_fs=True
+    launcher = dataclasses.replace(
+        base,
+        backend=Backend.BWRAP,
+        prefix=(*base.prefix, bwrap),
+        namespaces=True,
+        private_fs=True,
     )
-    problem = _probe_launch(launcher)
+    launcher, problem = _checked(launcher)
     if problem is not None:
         raise SandboxSetupError(f"{BACKEND_ENV_VAR}=bwrap but bwrap does not work here: {problem}")
     return launcher
 
 
+def _checked(launcher: _Launcher) -> tuple[_Launcher, str | None]:
+    """``launcher`` and None when its whole chain works. Where it works only without the
+    interpreter's exposure, that launcher and None, with a warning; else the problem."""
+    problem = _probe_launch(launcher)
+    if problem is None or not launcher.exposed.covers:
+        return launcher, problem
+    bare = dataclasses.replace(launcher, exposed=_Exposure())
+    if _probe_launch(bare) is not None:
+        return launcher, problem
+    _warn(f"cannot bind the interpreter's directories into the sandbox ({problem})")
+    return bare, None
+
+
 def _probe_launch(launcher: _Launcher) -> str | None:
-    """Run an empty program through the whole launch chain; None if it works, else the problem."""
+    """Run the whole launch chain, with `true` for the interpreter; None if it works."""
+    return _probe_program(dataclasses.replace(launcher, python=_true()), "")[1]
+
+
+def _probe_program(launcher: _Launcher, code: str) -> tuple[str, str | None]:
+    """Run trusted ``code`` through the whole launch chain: (stdout, None) or (stdout, problem)."""
     root_dir = tempfile.mkdtemp(prefix="atgrpo-sandbox-probe-")
     try:
-        workdir = _prepare_workdir(root_dir, "", launcher, SandboxLimits())
-        return _probe(_launch_argv(launcher, workdir, SandboxLimits()))[1]
+        workdir = _prepare_workdir(root_dir, code, launcher, SandboxLimits())
+        return _probe(_launch_argv(launcher, workdir, SandboxLimits()), cwd=workdir)
     except OSError as exc:
-        return str(exc)
+        return "", str(exc)
     finally:
         _remove_tree(root_dir)
 
 
-def _pick_python(prefix: list[str], as_root: bool) -> str:
-    """sys.executable if the sandbox user can run it, else a system Python of the same X.Y."""
+def _true() -> str:
+    return shutil.which("true") or "/bin/true"
+
+
+# What the probes run: the interpreter's identity, and the distributions it can import.
+_SHOW_PYTHON = "import sys; print(sys.version); print(sys.prefix)"
+_SHOW_PACKAGES = (
+    "import importlib.metadata as m\n"
+    "for d in m.distributions():\n"
+    "    print(d.metadata['Name'] or '')\n"
+)
+
+
+def _with_python(launcher: _Launcher) -> _Launcher:
+    """``launcher`` running programs with ``sys.executable`` and this environment's packages when
+    the sandbox user can run it; else with a system Python of the same X.Y, and a warning that
+    names the packages programs lack. Probed through the launcher's whole chain."""
+    out, problem = _probe_program(launcher, _SHOW_PYTHON)
+    if problem is None and out == f"{sys.version}\n{sys.prefix}\n":
+        return launcher
+    user = f"uid {UNPRIVILEGED_UID}" if launcher.drop_privileges else "the current user"
+    why = problem or f"{user} gets {' '.join(out.split()) or 'nothing'!r} from it"
     major_minor = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    show = "import sys; print(sys.version)"
-    out, problem = _probe([*prefix, sys.executable, "-I", "-c", show])
-    if problem is None and out.strip() == sys.version:
-        return sys.executable
-    why = problem or f"uid {UNPRIVILEGED_UID} gets Python {_first_word(out)} from it, not ours"
     tried = [f"{sys.executable}: {why}"]
     for candidate in (f"/usr/bin/python{major_minor}", f"/usr/local/bin/python{major_minor}"):
         if not os.path.exists(candidate):
             continue
-        out, problem = _probe([*prefix, candidate, "-I", "-c", show])
+        fallback = dataclasses.replace(launcher, python=candidate)
+        out, problem = _probe_program(fallback, _SHOW_PYTHON)
         if problem is None and out.startswith(f"{major_minor}."):
+            missing = _missing_packages(fallback)
             _warn(
-                f"{sys.executable} cannot be run by the sandbox user ({why}); running programs "
-                f"with {candidate} (Python {_first_word(out)}) instead, without this environment's "
-                "packages. Use a Python installed outside private directories to avoid this."
+                f"{sys.executable} cannot run in the sandbox ({why}); programs run with "
+                f"{candidate} (Python {_first_word(out)}) instead, without {len(missing)} of this "
+                f"environment's packages: {', '.join(missing) or '(none)'}. Install Python where "
+                f"{user} can read it to give programs these packages."
             )
-            return candidate
+            return fallback
         tried.append(f"{candidate}: {problem or 'reports Python ' + _first_word(out)}")
-    user = f"uid {UNPRIVILEGED_UID}" if as_root else "the current user"
     raise SandboxSetupError(
         f"no Python {major_minor} that {user} can run; tried "
         + "; ".join(tried)
@@ -431,19 +491,76 @@ def _pick_python(prefix: list[str], as_root: bool) -> str:
     )
 
 
+def _missing_packages(fallback: _Launcher) -> list[str]:
+    """This environment's distributions that ``fallback``'s interpreter cannot import."""
+    out, _ = _probe_program(fallback, _SHOW_PACKAGES)
+    theirs = {_dist_key(name) for name in out.splitlines()}
+    ours = {d.metadata["Name"] for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    return sorted((name for name in ours if _dist_key(name) not in theirs), key=str.lower)
+
+
+def _dist_key(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower().strip()
+
+
+def _exposure(tmp_dirs: Sequence[str]) -> _Exposure:
+    """What to make reachable so that uid 65534 can run this interpreter (see _Exposure)."""
+    covers: set[str] = set()
+    binds: list[str] = []
+    for path in _interpreter_dirs():
+        blocked = _first_unsearchable(path)
+        if blocked is None or blocked == path:
+            continue  # reachable already, or its own permissions keep others out (no fix)
+        if any(_inside(blocked, t) or _inside(t, blocked) for t in tmp_dirs):
+            continue  # a fresh temp dir would hide it, or it would hide one
+        covers.add(blocked)
+        binds.append(path)
+    top = sorted(c for c in covers if not any(_inside(c, other) for other in covers))
+    return _Exposure(tuple(top), tuple(sorted(binds)))
+
+
+def _interpreter_dirs() -> list[str]:
+    """Where this interpreter and its packages live: its prefixes (a venv's and its base's),
+    the real executable's directory and the site-packages; real paths, outermost only."""
+    found = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
+    found.add(os.path.dirname(os.path.realpath(sys.executable)))
+    found.update(site.getsitepackages())
+    found.update(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    real = {os.path.realpath(p) for p in found if os.path.isdir(p)}
+    return sorted(p for p in real if not any(_inside(p, other) for other in real))
+
+
+def _first_unsearchable(path: str) -> str | None:
+    """The first directory on the way to ``path`` (itself included) that others cannot search."""
+    current = "/"
+    for part in path.strip("/").split("/"):
+        current = os.path.join(current, part)
+        try:
+            if not os.stat(current).st_mode & stat.S_IXOTH:
+                return current
+        except OSError:
+            return current
+    return None
+
+
+def _inside(path: str, top: str) -> bool:
+    """Whether ``path`` lies strictly below the directory ``top``."""
+    return path.startswith(top.rstrip("/") + "/")
+
+
 def _first_word(text: str) -> str:
     return (text.split() or ["(nothing)"])[0]
 
 
-def _probe(argv: list[str]) -> tuple[str, str | None]:
+def _probe(argv: list[str], cwd: str = "/") -> tuple[str, str | None]:
     """Run a trusted command like a sandboxed one: (stdout, None) or (stdout, problem)."""
     try:
         done = subprocess.run(
             argv,
             stdin=subprocess.DEVNULL,
             capture_output=True,
-            cwd="/",
-            env=_clean_env("/"),
+            cwd=cwd,
+            env=_clean_env(cwd),
             timeout=_PROBE_TIMEOUT_S,
             text=True,
             errors="replace",
@@ -529,7 +646,7 @@ def _launch_argv(launcher: _Launcher, workdir: str, limits: SandboxLimits) -> li
         _PROGRAM,
     ]
     if launcher.backend is Backend.BWRAP:
-        bwrap_args = _bwrap_args(workdir, limits, launcher.tmp_dirs)
+        bwrap_args = _bwrap_args(workdir, limits, launcher.tmp_dirs, launcher.exposed)
         return [*launcher.prefix, *bwrap_args, "--", *program]
     if launcher.private_fs:
         mount_step = [launcher.shell, "-c", _MOUNT_SCRIPT, "atgrpo-sandbox", workdir, _PROGRAM]
@@ -559,15 +676,45 @@ exec "$@"
 """
 
 
-def _fstab(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str]) -> str:
-    """The mount step's tmpfs mounts, in order: the temp dirs, then the work dir."""
+def _fstab(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str], exposed: _Exposure) -> str:
+    """The mount step's mounts, in order: the interpreter's exposure, the temp dirs, the work
+    dir."""
     opts = f"size={limits.disk_mb}m,nr_inodes={_TMPFS_INODES},nosuid,nodev"
     uid = UNPRIVILEGED_UID
     # X-mount.mkdir: a work dir under a temp dir must be made again in the fresh tmpfs.
     work_opts = f"{opts},mode=0700,uid={uid},gid={uid},X-mount.mkdir"
-    lines = [f"atgrpo-sandbox {_fstab_escape(d)} tmpfs {opts},mode=1777 0 0" for d in tmp_dirs]
+    lines = _exposure_fstab(exposed, tmp_dirs)
+    lines += [f"atgrpo-sandbox {_fstab_escape(d)} tmpfs {opts},mode=1777 0 0" for d in tmp_dirs]
     lines.append(f"atgrpo-sandbox {_fstab_escape(workdir)} tmpfs {work_opts} 0 0")
     return "\n".join(lines) + "\n"
+
+
+def _exposure_fstab(exposed: _Exposure, tmp_dirs: Sequence[str]) -> list[str]:
+    """Mounts that make ``exposed.binds`` reachable (see _Exposure).
+
+    A cover's tmpfs hides what is to be bound into it, so each cover is first bound (with what
+    is mounted below it) to a staging dir on a tmpfs of its own over the first temp dir; that
+    tmpfs is then hidden by the temp dir's fresh one, mounted over it next, so the program
+    sees neither the staging dirs nor the rest of a covered directory.
+    """
+    if not exposed.covers or not tmp_dirs:
+        return []
+    esc = _fstab_escape
+    stage_root = tmp_dirs[0]
+    stages = [os.path.join(stage_root, f"atgrpo-stage-{i}") for i in range(len(exposed.covers))]
+    # Its own source name: `mount -a` skips an entry whose source is already mounted there.
+    lines = [f"atgrpo-stage {esc(stage_root)} tmpfs size=1m,mode=0700 0 0"]
+    lines += [
+        f"{esc(c)} {esc(st)} none rbind,X-mount.mkdir 0 0"
+        for c, st in zip(exposed.covers, stages, strict=True)
+    ]
+    cover_opts = f"size=1m,nr_inodes={_COVER_INODES},mode=0755,nosuid,nodev"
+    lines += [f"atgrpo-sandbox {esc(c)} tmpfs {cover_opts} 0 0" for c in exposed.covers]
+    for path in exposed.binds:
+        i = exposed.cover_of(path)
+        source = os.path.join(stages[i], os.path.relpath(path, exposed.covers[i]))
+        lines.append(f"{esc(source)} {esc(path)} none bind,ro,nosuid,nodev,X-mount.mkdir 0 0")
+    return lines
 
 
 def _fstab_escape(path: str) -> str:
@@ -576,7 +723,9 @@ def _fstab_escape(path: str) -> str:
     return "".join(chr(b) if b in safe else f"\\{b:03o}" for b in os.fsencode(path))
 
 
-def _bwrap_args(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str]) -> list[str]:
+def _bwrap_args(
+    workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str], exposed: _Exposure
+) -> list[str]:
     """bwrap's options for one program: the private file system of the mount step, and more."""
     size = str(limits.disk_mb << 20)
     # Not --unshare-all: as root it adds a user namespace in which only root is mapped, so the
@@ -588,6 +737,13 @@ def _bwrap_args(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str]) ->
     # CPU time.
     args += ["--as-pid-1"]
     args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]  # ro-bind is recursive
+    # The interpreter's exposure (see _Exposure): bwrap binds from the host's view, so no staging.
+    for cover in exposed.covers:
+        args += ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", cover]
+    for path in exposed.binds:
+        for d in _dirs_between(exposed.covers, path):  # bwrap would make them 0700
+            args += ["--perms", "0755", "--dir", d]
+        args += ["--ro-bind", path, path]
     for d in tmp_dirs:
         args += ["--perms", "1777", "--size", size, "--tmpfs", d]
     for d in _dirs_between(tmp_dirs, workdir):  # bwrap would make them 0700
@@ -616,6 +772,9 @@ def _clean_env(home: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "HOME": home,
         "PYTHONDONTWRITEBYTECODE": "1",
+        # numpy's BLAS would start a thread per core at import, against max_processes (which
+        # counts threads) and memory_mb (each reserves memory): one thread, like the CPU limit.
+        **dict.fromkeys(_THREAD_VARS, "1"),
     }
 
 
@@ -641,7 +800,7 @@ def _prepare_workdir(root_dir: str, code: str, launcher: _Launcher, limits: Sand
         # the program into it; the program never sees these files.
         _write_text(os.path.join(root_dir, _PROGRAM), code, mode=0o644)  # bwrap binds it as is
         if launcher.backend is Backend.UNSHARE:
-            fstab = _fstab(root_dir, limits, launcher.tmp_dirs)
+            fstab = _fstab(root_dir, limits, launcher.tmp_dirs, launcher.exposed)
             _write_text(os.path.join(root_dir, _FSTAB), fstab, mode=0o600)
         return root_dir
     if launcher.drop_privileges:

@@ -75,9 +75,10 @@ def _print_line(line: str) -> None:
 
 
 class TensorBoardLogger:
-    """``add_scalar(name, value, step)`` for every metric, into ``log_dir``."""
+    """``add_scalar(name, value, step)`` for every metric, into ``log_dir``; ``purge_from``: the
+    first step a resumed run logs again."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, purge_from: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:  # tensorboard is a dependency; a broken install lands here
@@ -85,7 +86,8 @@ class TensorBoardLogger:
                 f"run.loggers: tensorboard needs the tensorboard package ({exc}): "
                 "pip install tensorboard"
             ) from exc
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step: TensorBoard hides the older files' events from that step on (a resume).
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_from)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
@@ -148,25 +150,29 @@ def _close_all(loggers: list[MetricLogger]) -> None:
             _close_all(loggers[1:])
 
 
-def build_loggers(cfg: Config) -> Loggers:
-    """The loggers of ``run.loggers`` (each kind once), writing under ``cfg.run_dir``."""
+def build_loggers(cfg: Config, purge_from: int | None = None) -> Loggers:
+    """The loggers of ``run.loggers`` (each kind once), writing under ``cfg.run_dir``.
+
+    ``purge_from``: a resumed run logs again from that step (TensorBoard drops the older events
+    of those steps; the run cuts metrics.jsonl itself).
+    """
     built: list[MetricLogger] = []
     try:
         for kind in dict.fromkeys(cfg.run.loggers):
-            built.append(make_logger(LoggerKind(kind), cfg))
+            built.append(make_logger(LoggerKind(kind), cfg, purge_from))
     except BaseException:
         _close_all(built)
         raise
     return Loggers(built)
 
 
-def make_logger(kind: LoggerKind, cfg: Config) -> MetricLogger:
+def make_logger(kind: LoggerKind, cfg: Config, purge_from: int | None = None) -> MetricLogger:
     if kind is LoggerKind.CONSOLE:
         return ConsoleLogger(cfg.train.steps)
     if kind is LoggerKind.JSONL:
         return JsonlLogger(cfg.run_dir / "metrics.jsonl")
     if kind is LoggerKind.TENSORBOARD:
-        return TensorBoardLogger(cfg.run_dir / "tensorboard")
+        return TensorBoardLogger(cfg.run_dir / "tensorboard", purge_from)
     if kind is LoggerKind.WANDB:
         return WandbLogger(cfg)
     raise ValueError(f"unknown logger {kind!r}")

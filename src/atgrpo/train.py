@@ -7,7 +7,10 @@
         update     <- per policy, PPO-clip over its own samples, one optimizer step
         maybe evaluate on validation tasks, maybe checkpoint, log (run.loggers)
 
-Launch: ``atgrpo train configs/demo.yaml`` (``--resume`` to continue a killed run). Every
+Launch: ``atgrpo train configs/demo.yaml`` (``--resume`` to continue a killed run, from its
+newest intact checkpoint or ``--resume-from STEP``; docs/faults.md). One process trains in a run
+folder at a time (``train.lock``); SIGTERM stops the loop after the current step, writing a
+checkpoint first. Every
 implementation choice (envs, policies and their regime L0-L3, generators, routing, settings,
 and where policies live: this process or Ray worker groups, ``backend``) is made once, in
 :func:`atgrpo.runtime.build_runtime`, before the loop; the rollout, advantage and update
@@ -17,12 +20,22 @@ settings come from :mod:`atgrpo.settings`, and the loggers of ``run.loggers`` fr
 
 from __future__ import annotations
 
+import fcntl
+import json
 import math
+import os
+import signal
+import socket
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.advantage import AdvantageStats, Grouping, assign_advantages
@@ -43,6 +56,26 @@ from atgrpo.runtime import Learner, Runtime, build_runtime, seed_everything
 from atgrpo.settings import advantage_settings, train_rollout_settings, update_settings
 from atgrpo.tracking import Loggers, build_loggers
 from atgrpo.update import UpdateStats
+
+LOCK_FILE = "train.lock"  # in the run folder: held (flock) by the process training there
+LOG_FILES = ("metrics.jsonl", "samples.jsonl")  # JSON lines with a "step", cut back on resume
+# Config keys a resumed run cannot follow: its checkpoint holds other models or policies, or
+# other agents. Changing one needs --force.
+FIXED_ON_RESUME = ("model.path", "policies", "routing", "env.name", "env.workflow")
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue as asked: its folder is in use, or the config
+    changed where a resumed run cannot follow it."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM stopped the run at a safe point, after a step; ``checkpoint`` is where it
+    resumes (None when none was written)."""
+
+    def __init__(self, message: str, checkpoint: Path | None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 @dataclass
@@ -154,7 +187,8 @@ def num_gpus(cfg: Config) -> int:
 def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Path | None]:
     """One step: rollout, advantages, update, samples.jsonl, maybe evaluate and checkpoint.
 
-    Returns the step's metrics and the checkpoint it wrote (None when it wrote none).
+    Returns the step's metrics and the checkpoint it wrote, not yet committed (None when it
+    wrote none): the caller commits it once the metrics are logged.
     """
     cfg = rt.cfg
     stages = _Stages()
@@ -176,9 +210,11 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
             if cfg.eval.every and step % cfg.eval.every == 0:
                 metrics.update(rt.evaluate(Split.VALIDATION, cfg.eval.num_tasks).metrics())
         with stages.time("checkpoint"):
-            saved = _maybe_checkpoint(rt, step, metrics)
+            last = step == cfg.train.steps
+            due = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+            written = _write_checkpoint(rt, step, metrics) if due else None
     metrics.update(perf_metrics(stages.seconds, rollout, gpus))
-    return metrics, saved
+    return metrics, written
 
 
 def _log_samples(cfg: Config, step: int, rollout: Rollout, keys: list[str | None]) -> None:
@@ -194,54 +230,274 @@ def _log_samples(cfg: Config, step: int, rollout: Rollout, keys: list[str | None
     log_samples(cfg.run_dir / "samples.jsonl", records)
 
 
-def _maybe_checkpoint(rt: Runtime, step: int, metrics: dict[str, float]) -> Path | None:
+def _write_checkpoint(rt: Runtime, step: int, metrics: dict[str, float]) -> Path:
     cfg = rt.cfg
-    last = step == cfg.train.steps
-    if not (last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)):
-        return None
-    state = {"routing": rt.policy_of, "metrics": dict(metrics)}  # without the stage timings
+    state = {
+        "routing": rt.policy_of,
+        "metrics": {k: v for k, v in metrics.items() if not k.startswith("perf/")},
+        "config": cfg.model_dump(mode="json"),  # what a resume compares its config with
+    }
     savers = {pid: learner.save for pid, learner in rt.learners.items()}
-    return ckpt.save_checkpoint(cfg.run_dir, step, savers, state, cfg.checkpoint.keep)
+    return ckpt.write_checkpoint(cfg.run_dir, step, savers, state)
 
 
-def _prepare_run_dir(cfg: Config, resume: bool) -> Path | None:
-    """Refuse to overwrite a run; write config.yaml; the checkpoint to resume from, if any."""
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold ``<run_dir>/train.lock`` while training there; a second process fails at once.
+
+    The lock is an ``flock`` on the file, which holds the holder's pid and host; the kernel
+    drops it when the holder exits or dies, so a file left by a killed run never blocks.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            raise TrainError(
+                f"run folder {run_dir} is in use by another atgrpo train (pid {holder}); "
+                "wait for it to end or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@dataclass
+class _StopRequest:
+    """Set by SIGTERM: stop at the next safe point."""
+
+    requested: bool = False
+
+
+@contextmanager
+def _sigterm_stops() -> Iterator[_StopRequest]:
+    """SIGTERM asks the loop to stop after the current step; a second one acts at once (the
+    default action). Signal handlers belong to the main thread; elsewhere nothing changes."""
+    stop = _StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def ask(signum: int, frame: object) -> None:
+        stop.requested = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    previous = signal.signal(signal.SIGTERM, ask)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _stop_if_asked(
+    rt: Runtime, stop: _StopRequest, done: int, saved: int, metrics: dict[str, float] | None
+) -> None:
+    """Raise :class:`Interrupted` when SIGTERM came, after checkpointing step ``done`` if
+    checkpointing is on and it has none yet (``saved``: the newest committed step, 0: none)."""
+    if not stop.requested:
+        return
+    cfg = rt.cfg
+    if saved != done and cfg.checkpoint.every and metrics is not None:
+        written = _write_checkpoint(rt, done, metrics)
+        ckpt.commit_checkpoint(cfg.run_dir, written, cfg.checkpoint.keep)
+        saved = done
+    where = f"stopped by SIGTERM after step {done}/{cfg.train.steps}"
+    if saved > 0:
+        checkpoint = ckpt.checkpoint_path(cfg.run_dir, saved)
+        if saved == done:
+            raise Interrupted(f"{where}; checkpoint {checkpoint}: resume with --resume", checkpoint)
+        raise Interrupted(
+            f"{where}; checkpoint.every=0: --resume continues from step {saved}", checkpoint
+        )
+    raise Interrupted(f"{where}; no checkpoint yet: --resume starts again from step 0", None)
+
+
+def _prepare_run_dir(
+    cfg: Config, resume: bool, resume_from: int | None, force: bool
+) -> Path | None:
+    """Refuse to overwrite a run, or rewind it to the checkpoint to resume from (returned; None
+    for a fresh start); write config.yaml."""
     run_dir = cfg.run_dir
-    start_ckpt = ckpt.latest_checkpoint(run_dir) if resume else None
-    if resume and start_ckpt is None:
-        raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
-    started = (run_dir / "metrics.jsonl").exists() or ckpt.latest_checkpoint(run_dir) is not None
-    if not resume and started:
+    start = None
+    if resume:
+        start = ckpt.resume_checkpoint(run_dir, resume_from)
+        if start is None:
+            _warn(f"--resume: {run_dir} has no checkpoint yet: starting from step 0")
+        else:
+            _check_config(cfg, start, force)
+        _rewind(run_dir, 0 if start is None else ckpt.checkpoint_step(start))
+    elif any((run_dir / name).exists() for name in LOG_FILES) or ckpt.latest_checkpoint(run_dir):
         raise FileExistsError(
             f"run folder {run_dir} already has a run (metrics or checkpoints); pass --resume to "
             "continue it or choose another run.name"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    return start_ckpt
+    return start
 
 
-def train(cfg: Config, resume: bool = False, on_step: Callback | None = None) -> TrainResult:
-    """Train ``cfg`` to ``cfg.train.steps`` steps; ``resume`` continues from the last checkpoint.
+def _rewind(run_dir: Path, step: int) -> None:
+    """Drop what lies past ``step``: later checkpoints (set aside) and log records (cut)."""
+    moved = ckpt.discard_after(run_dir, step)
+    if moved:
+        where = run_dir / "checkpoints" / ckpt.DISCARDED
+        _warn(f"resume from step {step}: moved the later checkpoints {', '.join(moved)} to {where}")
+    for name in LOG_FILES:
+        # From step 0 nothing is kept: evaluation before training runs again.
+        cut = truncate_jsonl(run_dir / name, step if step > 0 else -1)
+        if cut:
+            _warn(f"resume from step {step}: removed {cut} line(s) of later steps from {name}")
 
-    Every record goes to the loggers of ``run.loggers``; ``on_step(step, metrics)`` is called
-    after each training step's record (``atgrpo train`` moves its progress bar with it).
-    """
-    start_ckpt = _prepare_run_dir(cfg, resume)
-    seed_everything(cfg.run.seed)
-    loggers = build_loggers(cfg)  # before the models: a missing logger package fails at once
+
+def truncate_jsonl(path: Path, last_step: int) -> int:
+    """Cut ``path`` before its first line that is not a whole record of a step up to
+    ``last_step`` (a later step, or a line torn by a kill); return the lines cut. Records are
+    appended in step order, so nothing after that line belongs to the steps kept."""
+    if not path.is_file():
+        return 0
+    keep = 0
+    with path.open("rb") as f:
+        for line in f:
+            if not _record_through(line, last_step):
+                break
+            keep += len(line)
+        else:
+            return 0
+        cut = 1 + sum(1 for _ in f)
+    os.truncate(path, keep)
+    return cut
+
+
+def _record_through(line: bytes, last_step: int) -> bool:
+    if not line.endswith(b"\n"):
+        return False
     try:
-        rt = build_runtime(cfg, start_ckpt)
+        record = json.loads(line)
+    except ValueError:
+        return False
+    step = record.get("step") if isinstance(record, dict) else None
+    return isinstance(step, int) and step <= last_step
+
+
+def _check_config(cfg: Config, checkpoint: Path, force: bool) -> None:
+    """List every config key that differs from the checkpoint's, one warning each; refuse a
+    change of :data:`FIXED_ON_RESUME` keys unless ``force``."""
+    saved = _saved_config(cfg, checkpoint)
+    if saved is None:
+        _warn(f"resume from {checkpoint.name}: no saved config to compare this one with")
+        return
+    changes = config_changes(saved, cfg.model_dump(mode="json"))
+    fixed = [c for c in changes if _is_fixed(c[0])]
+    if fixed and not force:
+        listed = "; ".join(_show_change(c) for c in fixed)
+        raise TrainError(
+            f"resume from {checkpoint.name}: the config changed where a resumed run cannot "
+            f"follow it ({listed}); pass --force to resume anyway, or choose another run.name"
+        )
+    for change in changes:
+        forced = " (--force)" if change in fixed else ""
+        _warn(f"resume from {checkpoint.name}: config {_show_change(change)}{forced}")
+
+
+def _saved_config(cfg: Config, checkpoint: Path) -> dict[str, Any] | None:
+    """The config the checkpoint was written under; for an older checkpoint without one, the
+    run folder's config.yaml (that of the run's last start)."""
+    state = ckpt.load_trainer_state(checkpoint)
+    if isinstance(state.get("config"), dict):
+        return dict(state["config"])
+    path = cfg.run_dir / "config.yaml"
+    loaded = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    return loaded if isinstance(loaded, dict) else None
+
+
+_UNSET = object()  # a key one of two configs lacks
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs, in the configs' order."""
+    a, b = _flatten(old), _flatten(new)
+    keys = dict.fromkeys([*a, *b])
+    return [
+        (k, a.get(k, _UNSET), b.get(k, _UNSET))
+        for k in keys
+        if a.get(k, _UNSET) != b.get(k, _UNSET)
+    ]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf; an empty mapping (``routing: {}``) has none."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _is_fixed(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in FIXED_ON_RESUME)
+
+
+def _show_change(change: tuple[str, Any, Any]) -> str:
+    key, old, new = change
+
+    def show(value: Any) -> str:
+        return "(unset)" if value is _UNSET else json.dumps(value)
+
+    return f"{key}: {show(old)} -> {show(new)}"
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ckpt.ResumeWarning, stacklevel=3)
+
+
+def train(
+    cfg: Config,
+    resume: bool = False,
+    on_step: Callback | None = None,
+    *,
+    resume_from: int | None = None,
+    force: bool = False,
+) -> TrainResult:
+    """Train ``cfg`` to ``cfg.train.steps`` steps.
+
+    ``resume`` continues from the newest intact checkpoint (from step 0 when there is none
+    yet), ``resume_from`` from that step's (and implies ``resume``): checkpoints and log
+    records past it are set aside, and a config that changed where the checkpoint cannot follow
+    (:data:`FIXED_ON_RESUME`) is refused unless ``force``. Every record goes to the loggers of
+    ``run.loggers``; ``on_step(step, metrics)`` is called after each training step's record
+    (``atgrpo train`` moves its progress bar with it). Raises :class:`TrainError` when another
+    process trains in the folder, :class:`Interrupted` after SIGTERM.
+    """
+    with run_lock(cfg.run_dir), _sigterm_stops() as stop:
+        resuming = resume or resume_from is not None
+        start_ckpt = _prepare_run_dir(cfg, resuming, resume_from, force)
+        seed_everything(cfg.run.seed)
+        # Before the models, so a missing logger package fails at once. A resumed run's
+        # TensorBoard drops the events of the steps it redoes.
+        redo = None if start_ckpt is None else ckpt.checkpoint_step(start_ckpt) + 1
+        loggers = build_loggers(cfg, purge_from=(redo or 0) if resuming else None)
         try:
-            return _run(rt, start_ckpt, loggers, on_step)
+            rt = build_runtime(cfg, start_ckpt)
+            try:
+                return _run(rt, start_ckpt, loggers, on_step, stop)
+            finally:
+                rt.close()
         finally:
-            rt.close()
-    finally:
-        loggers.close()
+            loggers.close()
 
 
 def _run(
-    rt: Runtime, start_ckpt: Path | None, loggers: Loggers, on_step: Callback | None
+    rt: Runtime,
+    start_ckpt: Path | None,
+    loggers: Loggers,
+    on_step: Callback | None,
+    stop: _StopRequest,
 ) -> TrainResult:
     cfg = rt.cfg
     start = 0
@@ -250,19 +506,25 @@ def _run(
             learner.restore(start_ckpt)
         ckpt.restore_rng(start_ckpt)
         start = int(ckpt.load_trainer_state(start_ckpt)["step"])
-    result = TrainResult(run_dir=cfg.run_dir, steps_done=start)
+    result = TrainResult(run_dir=cfg.run_dir, steps_done=start, checkpoint=start_ckpt)
     if cfg.eval.before_training and start == 0:
         result.eval_before = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
         loggers.log(0, result.eval_before.metrics("test/"))
     gpus = num_gpus(cfg)  # fixed by the config: the tokens/s denominator
+    saved = start  # the newest committed checkpoint's step
+    metrics: dict[str, float] | None = None
     for step in range(start + 1, cfg.train.steps + 1):
-        metrics, saved = _train_step(rt, step, gpus)
+        _stop_if_asked(rt, stop, step - 1, saved, metrics)
+        metrics, written = _train_step(rt, step, gpus)
         loggers.log(step, metrics)
+        if written is not None:  # committed only now that the step is in the logs
+            ckpt.commit_checkpoint(cfg.run_dir, written, cfg.checkpoint.keep)
+            saved, result.checkpoint = step, written
         result.history.append(metrics)
         result.steps_done = step
-        result.checkpoint = saved or result.checkpoint
         if on_step is not None:
             on_step(step, metrics)
+    _stop_if_asked(rt, stop, result.steps_done, saved, metrics)
     if cfg.eval.after_training:
         result.eval_after = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
         loggers.log(result.steps_done, result.eval_after.metrics("test/"))
