@@ -61,8 +61,8 @@ test-browser: $(VENV)/.test
 	@$(VENV)/bin/pytest -q -m browser; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
 
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
 
 typecheck: $(VENV)/.test
 	$(VENV)/bin/mypy

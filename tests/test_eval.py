@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from atgrpo import evaluate as evaluate_module
 from atgrpo.config import ConfigError, load_config
 from atgrpo.envs import Split, StepOutcome, TurnBasedEnv, Workflow, make_env, split_seeds
 from atgrpo.evaluate import evaluate, held_out_tasks, pass_at_k
 from atgrpo.generation import Generation
 from conftest import REPO
 
+# atgrpo.evaluate is the public function; the module is imported by its name.
+evaluate_module = importlib.import_module("atgrpo.evaluate")
 FAST = ["rollout.max_prompt_tokens=2048", "rollout.max_new_tokens=8"]
 
 
@@ -145,7 +147,7 @@ def test_cli_evaluates_a_per_role_run_with_the_policies_swapped(
     assert "avg@2, pass@1" in out and "pass@2" in out
     # A config that does not match the checkpoint's policies is one clear line.
     assert main(["eval", str(REPO / "configs" / "tiny.yaml"), "--checkpoint", run]) == 2
-    assert "has no policy 'shared' (it has: planner, tool)" in capsys.readouterr().out
+    assert "has no policy 'shared' (it has: planner, tool)" in capsys.readouterr().err
 
 
 # -- every distinct task at most once ------------------------------------------------------------
@@ -283,14 +285,15 @@ def test_the_shortfall_note_is_printed_by_the_cli_and_kept_in_the_table(
 ) -> None:
     from atgrpo.cli import _print_eval
     from atgrpo.compare import Cell, markdown_table
-    from atgrpo.evaluate import EvalReport
+    from atgrpo.evaluate import EvalReport, TaskResult
 
     note = "eval: test split has 30 distinct tasks; asked 100, evaluating 30"
-    report = EvalReport("test", 30, 0.5, 0.0, requested_tasks=100, note=note)
+    tasks = [TaskResult(i, i, None, i % 2, 1, 0.0) for i in range(30)]
+    report = EvalReport("test", 30, 0.5, 0.0, requested_tasks=100, note=note, tasks=tasks)
     _print_eval("aime24", report)
     out = capsys.readouterr().out
     assert "on 30 test tasks" in out and note in out
-    md = markdown_table([Cell("Single agent", "AIME24", report, "", "configs/x.yaml")])
+    md = markdown_table([Cell("Single agent", "AIME24", [report], [""], "configs/x.yaml")])
     assert f"AIME24: {note}" in md
     _print_eval("full", EvalReport("test", 30, 0.5, 0.0, requested_tasks=30))
     assert "eval:" not in capsys.readouterr().out

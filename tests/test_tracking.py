@@ -306,6 +306,7 @@ def _check_eval_json(path: Path) -> dict[str, Any]:
         "mean_team_return",
         "pass_at",
         "valid_rate",
+        "mean_reward",
         "note",
         "tasks",
     }
