@@ -223,7 +223,7 @@ def test_compare_train_trains_resumes_and_caches(
     path = _grid_file(tmp_path, seeds=[0, 1])
     comparison = load_comparison(path)
     assert main(["compare", str(path)]) == 2  # nothing trained yet: one line names --train
-    assert "--train" in capsys.readouterr().out
+    assert "--train" in capsys.readouterr().err
     # Seed 0 stopped after step 1 of 2: its checkpoint is at step 1.
     half = planned_runs(comparison)[0]
     one_step = half.cfg.model_copy(deep=True)
