@@ -240,3 +240,28 @@ def test_cli_trains_and_evaluates_a_checkpoint(
     # A second run into the same folder without --resume is refused, not overwritten.
     assert main(["train", *args]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_callbacks_see_every_step_and_the_test_evaluations(tmp_path: Path) -> None:
+    from atgrpo import TrainCallback
+
+    seen: list[tuple[str, int, object]] = []
+
+    class Record(TrainCallback):
+        def on_step(self, step: int, metrics: dict[str, float]) -> None:
+            seen.append(("step", step, metrics["rollout/success"]))
+
+        def on_eval(self, step: int, split: str, report: object) -> None:
+            seen.append((f"eval {split}", step, report))
+
+    cfg = _cfg(
+        tmp_path, "hooks", "eval.before_training=true", "eval.after_training=true",
+        "eval.num_tasks=1",
+    )  # fmt: skip
+    steps: list[int] = []
+    result = train(cfg, on_step=lambda step, _: steps.append(step), callbacks=[Record()])
+    assert [(kind, step) for kind, step, _ in seen] == [
+        ("eval test", 0), ("step", 1), ("step", 2), ("eval test", 2),
+    ]  # fmt: skip
+    assert seen[0][2] is result.eval_before and seen[-1][2] is result.eval_after
+    assert steps == [1, 2]  # on_step still works beside the callbacks

@@ -5,7 +5,7 @@ The public API (docs/python-api.md); see README.md for a tour and docs/ for the 
     from atgrpo import Config, load_config, train, evaluate, check_env, register_env
 
 As package attributes, ``atgrpo.train`` and ``atgrpo.evaluate`` are the functions; their modules
-are imported by name (``from atgrpo.train import TrainResult``).
+are imported by name (``from atgrpo.train import TrainCallback, TrainResult``).
 """
 
 from atgrpo.advantage import AdvantageScale, Grouping, assign_advantages, group_advantages
@@ -23,7 +23,7 @@ from atgrpo.envs import (
 from atgrpo.evaluate import EvalReport
 from atgrpo.loss import LossAggregation, ppo_clip_loss
 from atgrpo.records import EpisodeResult, Rollout, Sample
-from atgrpo.train import TrainResult
+from atgrpo.train import TrainCallback, TrainResult
 
 __all__ = [
     "AdvantageScale",
@@ -37,6 +37,7 @@ __all__ = [
     "Rollout",
     "Sample",
     "StepOutcome",
+    "TrainCallback",
     "TrainResult",
     "TurnBasedEnv",
     "Workflow",

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +153,21 @@ def sync_engines(rt: Runtime, updates: dict[str, UpdateStats]) -> None:
 
 
 Callback = Callable[[int, dict[str, float]], None]
+
+
+class TrainCallback:
+    """A user's hooks into :func:`train`; override the ones you need (here they do nothing).
+
+    ``on_step(step, metrics)`` runs after each training step's record is logged, with the same
+    metrics (a step with validation has its ``eval/`` keys too); ``on_eval(step, split,
+    report)`` after the test evaluations before (step 0) and after training.
+    """
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        return None
+
+    def on_eval(self, step: int, split: str, report: EvalReport) -> None:
+        return None
 
 
 @dataclass
@@ -461,6 +476,7 @@ def train(
     resume: bool = False,
     on_step: Callback | None = None,
     *,
+    callbacks: Sequence[TrainCallback] = (),
     resume_from: int | None = None,
     force: bool = False,
 ) -> TrainResult:
@@ -471,7 +487,8 @@ def train(
     records past it are set aside, and a config that changed where the checkpoint cannot follow
     (:data:`FIXED_ON_RESUME`) is refused unless ``force``. Every record goes to the loggers of
     ``run.loggers``; ``on_step(step, metrics)`` is called after each training step's record
-    (``atgrpo train`` moves its progress bar with it). Raises :class:`TrainError` when another
+    (``atgrpo train`` moves its progress bar with it), and so are the ``callbacks``'
+    (:class:`TrainCallback`). Raises :class:`TrainError` when another
     process trains in the folder, :class:`Interrupted` after SIGTERM.
     """
     with run_lock(cfg.run_dir), _sigterm_stops() as stop:
@@ -485,18 +502,29 @@ def train(
         try:
             rt = build_runtime(cfg, start_ckpt)
             try:
-                return _run(rt, start_ckpt, loggers, on_step, stop)
+                hooks = [*callbacks, *([_StepHook(on_step)] if on_step is not None else [])]
+                return _run(rt, start_ckpt, loggers, hooks, stop)
             finally:
                 rt.close()
         finally:
             loggers.close()
 
 
+@dataclass
+class _StepHook(TrainCallback):
+    """``train(on_step=...)`` as a callback."""
+
+    fn: Callback
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.fn(step, metrics)
+
+
 def _run(
     rt: Runtime,
     start_ckpt: Path | None,
     loggers: Loggers,
-    on_step: Callback | None,
+    hooks: Sequence[TrainCallback],
     stop: _StopRequest,
 ) -> TrainResult:
     cfg = rt.cfg
@@ -510,6 +538,8 @@ def _run(
     if cfg.eval.before_training and start == 0:
         result.eval_before = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
         loggers.log(0, result.eval_before.metrics("test/"))
+        for hook in hooks:
+            hook.on_eval(0, Split.TEST.value, result.eval_before)
     gpus = num_gpus(cfg)  # fixed by the config: the tokens/s denominator
     saved = start  # the newest committed checkpoint's step
     metrics: dict[str, float] | None = None
@@ -522,10 +552,12 @@ def _run(
             saved, result.checkpoint = step, written
         result.history.append(metrics)
         result.steps_done = step
-        if on_step is not None:
-            on_step(step, metrics)
+        for hook in hooks:
+            hook.on_step(step, metrics)
     _stop_if_asked(rt, stop, result.steps_done, saved, metrics)
     if cfg.eval.after_training:
         result.eval_after = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
         loggers.log(result.steps_done, result.eval_after.metrics("test/"))
+        for hook in hooks:
+            hook.on_eval(result.steps_done, Split.TEST.value, result.eval_after)
     return result
