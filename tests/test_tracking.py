@@ -345,3 +345,16 @@ def test_cli_eval_writes_per_task_results_next_to_the_checkpoint(
     base = [str(TINY), f"run.output_dir={tmp_path}", "run.name=baseline", *FAST]
     assert main(["eval", *base, "--num-tasks", "2"]) == 0  # untrained: under the run folder
     _check_eval_json(tmp_path / "baseline" / "eval-test.json")
+
+
+def test_the_step_line_says_when_an_update_was_skipped() -> None:
+    from atgrpo.metrics import step_summary
+
+    base = {"reward/planner/mean": 0.5, "rollout/success": 0.25, "perf/step_s": 1.5}
+    taken = step_summary(3, 10, base | {"loss/loss": 0.0123, "loss/skipped": 0.0}, ("planner",))
+    assert "loss +0.0123" in taken
+    skipped = step_summary(3, 10, base | {"loss/loss": 0.0, "loss/skipped": 1.0}, ("planner",))
+    assert "loss skipped" in skipped and "+0.0000" not in skipped
+    two = base | {"loss/a/loss": 0.5, "loss/a/skipped": 0.0, "loss/b/loss": 0.0}
+    two["loss/b/skipped"] = 1.0
+    assert "loss a +0.5000  b skipped" in step_summary(3, 10, two, ("planner",))

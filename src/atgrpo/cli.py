@@ -97,7 +97,13 @@ def _print_eval(title: str, report: object) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from atgrpo.checkpoint import CheckpointError
     from atgrpo.envs import make_env
@@ -109,19 +115,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("error: --force applies to --resume and --resume-from only", file=sys.stderr)
         return 2
     policy_of = resolve_routing(cfg, make_env(cfg.env).possible_agents)
-    console.print(
-        f"[bold]atgrpo train[/] {cfg.run.name}: env {cfg.env.name} "
-        f"({getattr(cfg.env, 'workflow', '')}), {describe_regime(cfg, policy_of)}, "
-        f"model {', '.join(dict.fromkeys(cfg.policy_model(p) for p in cfg.policies))}, "
+    workflow = getattr(cfg.env, "workflow", None)
+    env = cfg.env.name + (f" ({getattr(workflow, 'value', workflow)})" if workflow else "")
+    models = ", ".join(dict.fromkeys(cfg.policy_model(p) for p in cfg.policies))
+    header = (
+        f"{cfg.run.name}: env {env}, {describe_regime(cfg, policy_of)}, model {models}, "
         f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
         f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
     )
+    console.print(f"[bold]atgrpo train[/] {escape(header)}")
     try:  # outside the bar, whose console would take these lines to stdout
         with Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
             TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
             console=console,
             transient=True,
         ) as progress:

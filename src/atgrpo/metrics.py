@@ -212,6 +212,13 @@ def log_samples(path: Path, records: Sequence[dict[str, Any]]) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def _loss_text(metrics: dict[str, float], prefix: str) -> str:
+    """The loss, or 'skipped' when the update was not taken (no signal, or a NaN guard)."""
+    if metrics.get(prefix + "skipped", 0.0) > 0:
+        return "skipped"
+    return f"{metrics[prefix + 'loss']:+.4f}"
+
+
 def step_summary(step: int, total: int, metrics: dict[str, float], agents: tuple[str, ...]) -> str:
     """One console line: per-agent mean reward, success, loss, time."""
     rewards = "  ".join(f"{a} {metrics.get(f'reward/{a}/mean', float('nan')):+.3f}" for a in agents)
@@ -221,15 +228,16 @@ def step_summary(step: int, total: int, metrics: dict[str, float], agents: tuple
         f"success {metrics.get('rollout/success', 0.0):.2f}",
     ]
     if "loss/loss" in metrics:
-        parts.append(f"loss {metrics['loss/loss']:+.4f}")
+        parts.append(f"loss {_loss_text(metrics, 'loss/')}")
     else:  # several policies: loss/<policy>/loss
-        losses = {
-            k.split("/")[1]: v
-            for k, v in metrics.items()
+        policies = [
+            k.split("/")[1]
+            for k in metrics
             if k.count("/") == 2 and k.startswith("loss/") and k.endswith("/loss")
-        }
-        if losses:
-            parts.append("loss " + "  ".join(f"{p} {v:+.4f}" for p, v in losses.items()))
+        ]
+        if policies:
+            texts = (f"{p} {_loss_text(metrics, f'loss/{p}/')}" for p in policies)
+            parts.append("loss " + "  ".join(texts))
     if "eval/success" in metrics:
         parts.append(f"val-success {metrics['eval/success']:.2f}")
     parts.append(f"{metrics.get('perf/step_s', 0.0):.1f}s")
