@@ -511,8 +511,8 @@ def _exposure(tmp_dirs: Sequence[str]) -> _Exposure:
         blocked = _first_unsearchable(path)
         if blocked is None or blocked == path:
             continue  # reachable already, or its own permissions keep others out (no fix)
-        if any(_inside(blocked, t) or _inside(t, blocked) for t in tmp_dirs):
-            continue  # a fresh temp dir would hide it, or it would hide one
+        if any(_inside(t, blocked) for t in tmp_dirs):
+            continue  # its cover would hide a temp dir
         covers.add(blocked)
         binds.append(path)
     top = sorted(c for c in covers if not any(_inside(c, other) for other in covers))
@@ -677,30 +677,46 @@ exec "$@"
 
 
 def _fstab(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str], exposed: _Exposure) -> str:
-    """The mount step's mounts, in order: the interpreter's exposure, the temp dirs, the work
-    dir."""
+    """The mount step's mounts, in order: the interpreter's exposure staged, the temp dirs, the
+    exposure, the staging temp dir, the work dir (see :func:`_exposure_fstab`)."""
     opts = f"size={limits.disk_mb}m,nr_inodes={_TMPFS_INODES},nosuid,nodev"
     uid = UNPRIVILEGED_UID
     # X-mount.mkdir: a work dir under a temp dir must be made again in the fresh tmpfs.
     work_opts = f"{opts},mode=0700,uid={uid},gid={uid},X-mount.mkdir"
-    lines = _exposure_fstab(exposed, tmp_dirs)
-    lines += [f"atgrpo-sandbox {_fstab_escape(d)} tmpfs {opts},mode=1777 0 0" for d in tmp_dirs]
+    stage_root = _stage_root(exposed, tmp_dirs)
+    fresh = [f"atgrpo-sandbox {_fstab_escape(d)} tmpfs {opts},mode=1777 0 0" for d in tmp_dirs]
+    if stage_root is None:
+        lines = fresh
+    else:
+        last = tmp_dirs.index(stage_root)
+        others = fresh[:last] + fresh[last + 1 :]
+        lines = [*_exposure_fstab(exposed, stage_root, others), fresh[last]]
     lines.append(f"atgrpo-sandbox {_fstab_escape(workdir)} tmpfs {work_opts} 0 0")
     return "\n".join(lines) + "\n"
 
 
-def _exposure_fstab(exposed: _Exposure, tmp_dirs: Sequence[str]) -> list[str]:
-    """Mounts that make ``exposed.binds`` reachable (see _Exposure).
+def _stage_root(exposed: _Exposure, tmp_dirs: Sequence[str]) -> str | None:
+    """The temp dir the exposure is staged in: the first that holds no cover (None: no
+    exposure, or every temp dir holds one)."""
+    if not exposed.covers:
+        return None
+    free = [t for t in tmp_dirs if not any(_inside(c, t) for c in exposed.covers)]
+    return free[0] if free else None
 
-    A cover's tmpfs hides what is to be bound into it, so each cover is first bound (with what
-    is mounted below it) to a staging dir on a tmpfs of its own over the first temp dir; that
-    tmpfs is then hidden by the temp dir's fresh one, mounted over it next, so the program
-    sees neither the staging dirs nor the rest of a covered directory.
+
+def _exposure_fstab(exposed: _Exposure, stage_root: str, fresh_tmp: list[str]) -> list[str]:
+    """Mounts that make ``exposed.binds`` reachable (see _Exposure), around ``fresh_tmp`` (the
+    other temp dirs' tmpfs lines).
+
+    A cover's tmpfs hides what is to be bound into it, and so does a temp dir's fresh tmpfs when
+    the cover lies inside it (a clone under /tmp). So each cover is first bound (with what is
+    mounted below it) to a staging dir on a tmpfs of its own over ``stage_root``; then the other
+    temp dirs get their fresh tmpfs, each cover its tmpfs (made again inside a fresh temp dir),
+    and each bind is taken from the staging dir. ``stage_root``'s own fresh tmpfs, mounted
+    after these lines, hides the staging dirs: the program sees neither them nor the rest of a
+    covered directory.
     """
-    if not exposed.covers or not tmp_dirs:
-        return []
     esc = _fstab_escape
-    stage_root = tmp_dirs[0]
     stages = [os.path.join(stage_root, f"atgrpo-stage-{i}") for i in range(len(exposed.covers))]
     # Its own source name: `mount -a` skips an entry whose source is already mounted there.
     lines = [f"atgrpo-stage {esc(stage_root)} tmpfs size=1m,mode=0700 0 0"]
@@ -708,7 +724,8 @@ def _exposure_fstab(exposed: _Exposure, tmp_dirs: Sequence[str]) -> list[str]:
         f"{esc(c)} {esc(st)} none rbind,X-mount.mkdir 0 0"
         for c, st in zip(exposed.covers, stages, strict=True)
     ]
-    cover_opts = f"size=1m,nr_inodes={_COVER_INODES},mode=0755,nosuid,nodev"
+    lines += fresh_tmp
+    cover_opts = f"size=1m,nr_inodes={_COVER_INODES},mode=0755,nosuid,nodev,X-mount.mkdir"
     lines += [f"atgrpo-sandbox {esc(c)} tmpfs {cover_opts} 0 0" for c in exposed.covers]
     for path in exposed.binds:
         i = exposed.cover_of(path)
@@ -737,15 +754,18 @@ def _bwrap_args(
     # CPU time.
     args += ["--as-pid-1"]
     args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]  # ro-bind is recursive
-    # The interpreter's exposure (see _Exposure): bwrap binds from the host's view, so no staging.
-    for cover in exposed.covers:
-        args += ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", cover]
-    for path in exposed.binds:
-        for d in _dirs_between(exposed.covers, path):  # bwrap would make them 0700
-            args += ["--perms", "0755", "--dir", d]
-        args += ["--ro-bind", path, path]
     for d in tmp_dirs:
         args += ["--perms", "1777", "--size", size, "--tmpfs", d]
+    # The interpreter's exposure (see _Exposure), after the temp dirs, which would hide a cover
+    # inside one; bwrap binds from the host's view, so no staging.
+    for cover in exposed.covers:
+        for d in _dirs_between(tmp_dirs, cover):  # bwrap would make them 0700
+            args += ["--perms", "0755", "--dir", d]
+        args += ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", cover]
+    for path in exposed.binds:
+        for d in _dirs_between(exposed.covers, path):
+            args += ["--perms", "0755", "--dir", d]
+        args += ["--ro-bind", path, path]
     for d in _dirs_between(tmp_dirs, workdir):  # bwrap would make them 0700
         args += ["--perms", "0755", "--dir", d]
     program = os.path.join(workdir, _PROGRAM)
