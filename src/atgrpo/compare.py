@@ -283,14 +283,9 @@ Evaluator = Callable[[Config, Path | None, Split], EvalReport]
 
 def evaluate_cell(cfg: Config, checkpoint: Path | None, split: Split) -> EvalReport:
     """Build the method's policies (from its checkpoint) and evaluate them on held-out tasks."""
-    from atgrpo.runtime import build_runtime, seed_everything
+    from atgrpo.api import evaluate
 
-    seed_everything(cfg.run.seed)
-    rt = build_runtime(cfg, checkpoint)
-    try:
-        return rt.evaluate(split, cfg.eval.num_tasks)
-    finally:
-        rt.close()
+    return evaluate(cfg, checkpoint, split=split)
 
 
 def _fingerprint(cfg: Config, checkpoint: Path | None, split: Split) -> str:
