@@ -70,7 +70,7 @@ def test_step_metrics_name_every_diagnostic(tiny_run: TrainResult) -> None:
             assert first[f"groups/{agent}/t{turn}/mean_size"] == 4.0  # K = 4
     for stat in ("loss", "clip_frac", "kl", "entropy", "grad_norm", "skipped"):
         assert f"loss/{stat}" in first
-    stages = ("rollout", "programs", "update", "eval", "checkpoint", "step")
+    stages = ("rollout", "programs", "update", "sync", "eval", "checkpoint", "step")
     for stage in stages:
         assert first[f"perf/{stage}_s"] >= 0.0
     assert first["perf/programs_s"] <= first["perf/rollout_s"] <= first["perf/step_s"]

@@ -7,6 +7,10 @@ Layout of ``<run_dir>/checkpoints/step-000012/``::
                             adapter_config.json + adapter_model.safetensors, loadable by
                             ``PeftModel.from_pretrained(base, folder)``; the base is not copied
     policy-<id>/optim.pt    that policy's optimizer and LR-scheduler state
+    policy-<id>/sharded/    instead of optim.pt, for a policy sharded over its Ray worker group
+                            (atgrpo.sharding): every rank's shards of the trainable weights and
+                            optimizer state (torch.distributed.checkpoint), loadable onto any
+                            number of ranks; scheduler.pt beside it holds the LR schedule
     trainer_state.json      step, routing, the kind of each policy, metrics of the last step,
                             the resolved config
     rng.pt                  Python, NumPy and torch RNG states
@@ -41,6 +45,8 @@ import numpy as np
 import torch
 
 from atgrpo.policies import Policy
+
+SHARDED_DIR = "sharded"  # in policy-<id>/ of a sharded policy: its torch.distributed.checkpoint
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -306,6 +312,26 @@ def _save_weights(policy: Policy, out: Path, staging: Path) -> None:
     shutil.rmtree(staging)
 
 
+def save_full_weights(policy: Policy, out: Path, state_dict: dict[str, Any]) -> None:
+    """The folder :func:`_save_weights` writes, from a sharded policy's gathered weights."""
+    if policy.adapter is not None:
+        from atgrpo.generation.vllm import save_adapter
+
+        save_adapter(policy.model, policy.adapter, out, state_dict)
+        return
+    model = policy.model
+    model.save_pretrained(out, state_dict=state_dict)
+    # save_pretrained names the class it was called on: FSDP's wrapper class, not the model's.
+    model.config.architectures = [_unwrapped_class(model).__name__]
+    model.config.save_pretrained(out)
+
+
+def _unwrapped_class(model: Any) -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _prune(root: Path, keep: int) -> None:
     for old in _step_folders(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -349,8 +375,18 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def restore_policy_state(checkpoint: Path, policy: Policy) -> None:
-    """Load optimizer and scheduler state (the weights are loaded with from_pretrained)."""
-    saved = torch.load(policy_dir(checkpoint, policy.policy_id) / "optim.pt", weights_only=False)
+    """Load optimizer and scheduler state (the weights are loaded with from_pretrained).
+
+    A sharded policy's folder (``sharded/``) loads onto this policy whatever its layout: the
+    shards of N ranks onto M, or into one process (weights and optimizer state both).
+    """
+    folder = policy_dir(checkpoint, policy.policy_id)
+    if (folder / SHARDED_DIR).is_dir():
+        from atgrpo.sharding import load_sharded_state
+
+        load_sharded_state(folder, policy)
+        return
+    saved = torch.load(folder / "optim.pt", weights_only=False)
     policy.optimizer.load_state_dict(saved["optimizer"])
     policy.scheduler.load_state_dict(saved["scheduler"])
 

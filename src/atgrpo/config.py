@@ -410,6 +410,13 @@ class Placement(enum.StrEnum):
     STRICT_SPREAD = "STRICT_SPREAD"  # one node per worker, or fail
 
 
+class Sharding(enum.StrEnum):
+    """How the ranks of one policy's worker group hold its model (atgrpo.sharding)."""
+
+    REPLICATE = "replicate"  # a full replica per rank; gradients summed (data parallelism)
+    SHARD = "shard"  # FSDP2: weights, gradients and AdamW state sharded over the ranks
+
+
 class WorkerGroupConfig(_Section):
     """The resources of one policy's worker group (Ray backend)."""
 
@@ -427,6 +434,15 @@ class WorkerGroupConfig(_Section):
         0.0, ge=0.0, description="GPUs per worker (1 = a whole GPU; fractions share one)."
     )
     placement: Placement = Field(Placement.PACK, description="How the group's workers are placed.")
+    sharding: Sharding = Field(
+        Sharding.REPLICATE,
+        description=(
+            "replicate: every rank holds the whole model and optimizer; shard: FSDP2 per "
+            "decoder layer, each rank holds 1/num_workers of the weights, gradients and AdamW "
+            "state, with a full rollout copy for generation and sharded checkpoints "
+            "(docs/cluster.md)."
+        ),
+    )
 
 
 class BackendConfig(_Section):
@@ -504,6 +520,24 @@ class Config(_Section):
         ),
     )
 
+    def _check_sharding(self) -> None:
+        sharded = [n for n, g in self.backend.policies.items() if g.sharding is Sharding.SHARD]
+        if not sharded:
+            return
+        key = f"backend.policies.{sharded[0]}.sharding"
+        if self.backend.kind is not BackendKind.RAY:
+            raise KeyedValueError(key, "sharding runs in Ray worker groups: set backend.kind=ray")
+        if self.rollout.engine is not RolloutEngine.HF:
+            raise KeyedValueError(
+                key, "a sharded policy samples from its rollout copy: set rollout.engine=hf"
+            )
+        if self.train.share_prefix:
+            raise KeyedValueError(
+                "train.share_prefix",
+                "a sharded update runs every micro-batch on every rank in step, whole sequences "
+                "only: set train.share_prefix=false (the loss and gradient are the same)",
+            )
+
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         trajectory = self.algo.grouping is Grouping.TRAJECTORY
@@ -524,6 +558,7 @@ class Config(_Section):
                 "a shared prompt needs the key/value cache, which gradient checkpointing turns "
                 "off: set train.share_prefix=false",
             )
+        self._check_sharding()
         if self.algo.tis_cap and self.algo.old_logprobs is OldLogprobs.ROLLOUT:
             raise KeyedValueError(
                 "algo.tis_cap", "truncated importance sampling needs algo.old_logprobs=trainer"

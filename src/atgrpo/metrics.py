@@ -91,9 +91,10 @@ def _mean(values: Any) -> float:
 def perf_metrics(seconds: Mapping[str, float], rollout: Rollout, num_gpus: int) -> dict[str, float]:
     """Stage timings of one step and its throughput.
 
-    ``seconds`` holds the wall time of the stages ``rollout``, ``update``, ``eval``,
-    ``checkpoint`` and the whole ``step``. ``perf/tokens_per_s`` is verl's throughput: prompt +
-    response tokens of every sample of the step / step time / number of GPUs (1 on CPU).
+    ``seconds`` holds the wall time of the stages ``rollout``, ``update`` (``sync`` within it),
+    ``eval``, ``checkpoint`` and the whole ``step``. ``perf/tokens_per_s`` is verl's throughput:
+    prompt + response tokens of every sample of the step / step time / number of GPUs (1 on
+    CPU).
     """
     step_s = seconds["step"]
     rollout_s = seconds["rollout"]
@@ -104,6 +105,7 @@ def perf_metrics(seconds: Mapping[str, float], rollout: Rollout, num_gpus: int) 
         "perf/programs_s": rollout.programs_s,
         "perf/lookahead_s": rollout.lookahead_s,  # team credit (docs/algorithm.md)
         "perf/update_s": seconds["update"],
+        "perf/sync_s": seconds.get("sync", 0.0),  # of which rollout-engine weight syncs
         "perf/eval_s": seconds.get("eval", 0.0),
         "perf/checkpoint_s": seconds.get("checkpoint", 0.0),
         "perf/step_s": step_s,

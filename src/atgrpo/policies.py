@@ -326,6 +326,19 @@ def _policy(
     )
 
 
+def with_params(cfg: Config, policy: Policy, params: list[torch.nn.Parameter]) -> Policy:
+    """``policy`` with a new AdamW and LR schedule over ``params`` (sharding replaces them)."""
+    return _policy(
+        cfg,
+        policy.policy_id,
+        policy.model,
+        policy.tokenizer,
+        params,
+        adapter=policy.adapter,
+        reference=policy.reference,
+    )
+
+
 def _frozen_reference(cfg: Config, policy_id: str) -> Any | None:
     """The policy's initial model, frozen, when the loss has a KL term (never the checkpoint)."""
     if cfg.algo.kl_coef <= 0:

@@ -214,7 +214,8 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
         with stages.time("update"):
             adv_stats = _advantages(cfg, rollout.samples)
             updates = update_policies(rt, rollout.samples)
-            sync_engines(rt, updates)
+            with stages.time("sync"):
+                sync_engines(rt, updates)
         _log_samples(cfg, step, rollout, keys)
         metrics = rollout_metrics(rollout)
         metrics.update(adv_stats.metrics())

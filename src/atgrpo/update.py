@@ -11,9 +11,13 @@ token / sequence count as the normaliser, so the step equals one full-batch step
 zero-advantage samples out (``skip_zero_advantage``) changes neither (invariant 10).
 
 Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its
-worker group; each rank passes its shard and an ``all_reduce`` that sums a tensor over the
-ranks. The normalisers, the gradients and the statistics are then sums over the whole batch, so
-every rank takes the step one process would take on all the samples.
+worker group; each rank passes its shard and its :class:`DataParallel` group, whose
+``all_reduce`` sums a tensor over the ranks. The normalisers, the gradients and the statistics
+are then sums over the whole batch, so every rank takes the step one process would take on all
+the samples. A sharded group (FSDP2, :mod:`atgrpo.sharding`) gathers weights in every forward
+and reduce-scatters gradients in every backward, so its ranks run the same number of
+micro-batches: a rank with fewer runs zero-weight ones, and a non-finite loss is still
+back-propagated (every rank then skips the step).
 """
 
 from __future__ import annotations
@@ -44,6 +48,23 @@ from atgrpo.prefix import prompt_groups, run_prompt
 from atgrpo.records import Sample
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's place in its policy's data-parallel worker group."""
+
+    all_reduce: AllReduce
+    rank: int
+    size: int
+    sharded: bool = False  # FSDP2: gradients arrive reduce-scattered; ranks run in step
+
+    def max(self, value: int) -> int:
+        """The largest ``value`` over the ranks."""
+        slots = torch.zeros(self.size, dtype=torch.long)
+        slots[self.rank] = value
+        self.all_reduce(slots)
+        return int(slots.max())
 
 
 @dataclass(frozen=True)
@@ -196,7 +217,7 @@ def ppo_update(
     policy: Policy,
     samples: list[Sample],
     settings: UpdateSettings,
-    all_reduce: AllReduce | None = None,
+    group: DataParallel | None = None,
 ) -> UpdateStats:
     """One training step of ``policy`` on ``samples`` (all of them produced by it).
 
@@ -204,18 +225,18 @@ def ppo_update(
     holds that adapter alone. The LR schedule advances once per call, whether or not the
     optimizer steps, so it follows ``train.steps``. When no sample carries signal (every
     advantage 0 and no KL or entropy term) the optimizer does not step, with or without
-    skipping, so the policy stays bit-identical. ``all_reduce`` (data-parallel ranks only):
+    skipping, so the policy stays bit-identical. ``group`` (data-parallel ranks only):
     ``samples`` is this rank's shard; counts, gradients and statistics are summed over the
     ranks before the step.
     """
     try:
-        return _update(policy, samples, settings, all_reduce)
+        return _update(policy, samples, settings, group)
     finally:
         _advance_schedule(policy)
 
 
 def _update(
-    policy: Policy, samples: list[Sample], settings: UpdateSettings, all_reduce: AllReduce | None
+    policy: Policy, samples: list[Sample], settings: UpdateSettings, group: DataParallel | None
 ) -> UpdateStats:
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
@@ -231,8 +252,8 @@ def _update(
             len(computed),
         ]
     )
-    if all_reduce is not None:
-        all_reduce(counts)  # the whole batch's normalisers
+    if group is not None:
+        group.all_reduce(counts)  # the whole batch's normalisers
     num_tokens, num_seqs, signal, num_computed = (int(c) for c in counts)
     if not signal:
         return UpdateStats(True, "no samples with signal", num_seqs, num_tokens)
@@ -241,12 +262,15 @@ def _update(
     policy.optimizer.zero_grad(set_to_none=True)
     acc = _Accumulator()
     norm = _Normalisers(num_tokens, num_seqs)
-    if settings.share_prefix:
+    if group is not None and group.sharded:
+        _backward_in_step(policy, computed, settings, norm, acc, group)
+    elif settings.share_prefix:
         _backward_shared(policy, computed, settings, norm, acc)
     else:
         _backward_unshared(policy, computed, settings, norm, acc)
-    if all_reduce is not None:  # every rank reaches here, so every rank decides alike
-        acc.sum_over_ranks(all_reduce, policy.params)
+    if group is not None:  # every rank reaches here, so every rank decides alike
+        summed = [] if group.sharded else policy.params  # FSDP2 reduce-scattered them
+        acc.sum_over_ranks(group.all_reduce, summed)
     return _step(policy, settings, acc, num_seqs, num_tokens, num_computed)
 
 
@@ -303,6 +327,39 @@ def _backward_unshared(
         loss = _loss(policy, logits, batch.responses, settings, norm, full_rows=_given(batch))
         if not _backward(loss, acc):
             return
+
+
+def _backward_in_step(
+    policy: Policy,
+    computed: list[Sample],
+    settings: UpdateSettings,
+    norm: _Normalisers,
+    acc: _Accumulator,
+    group: DataParallel,
+) -> None:
+    """Sharded ranks: the group's largest number of micro-batches on every rank (docstring)."""
+    device = next(policy.model.parameters()).device
+    pad_id = policy.tokenizer.pad_token_id
+    chunks = _micro_batches(computed, settings.micro_batch_size)
+    for i in range(group.max(len(chunks))):
+        real = i < len(chunks)
+        batch = collate(chunks[i] if real else [_placeholder(policy)], pad_id).to(device)
+        logits = response_logits(policy.model, batch, policy.autocast_dtype)
+        out, gap = _loss(policy, logits, batch.responses, settings, norm, full_rows=_given(batch))
+        if not real:
+            (out.loss * 0.0).backward()  # the collectives of a pass, a zero gradient
+            continue
+        finite = bool(torch.isfinite(out.loss))
+        out.loss.backward()  # also when not finite: the other ranks wait for its collectives
+        if finite and acc.finite:
+            acc.add(out, gap)
+        acc.finite = acc.finite and finite
+
+
+def _placeholder(policy: Policy) -> Sample:
+    """A one-token sample of advantage 0: a pass that moves nothing."""
+    pad = policy.tokenizer.pad_token_id
+    return Sample(0, 0, "", 0, 0, policy.policy_id, [pad], [pad], [0.0], 0.0, 0.0, 0.0, False)
 
 
 def _backward_shared(
@@ -470,7 +527,8 @@ def _step(
     if not acc.finite:
         policy.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(True, "non-finite loss", num_seqs, num_tokens, loss=float("nan"))
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.params, settings.grad_clip))
+    total = torch.nn.utils.clip_grad_norm_(policy.params, settings.grad_clip)
+    grad_norm = float(getattr(total, "full_tensor", lambda: total)())  # a DTensor when sharded
     if not math.isfinite(grad_norm):
         policy.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(True, "non-finite gradient", num_seqs, num_tokens, grad_norm=grad_norm)

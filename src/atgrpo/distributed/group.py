@@ -25,7 +25,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from atgrpo.config import Config, WorkerGroupConfig
+from atgrpo.config import Config, Sharding, WorkerGroupConfig
 from atgrpo.distributed.cluster import RayConnection, get_all, worker_env_vars
 from atgrpo.distributed.layout import group_resources, worker_groups
 from atgrpo.distributed.worker import PolicyWorker
@@ -46,6 +46,7 @@ class PolicyGroup:
         weights: dict[str, Path],
     ) -> None:
         self.name, self.policy_ids, self.resources = name, policy_ids, resources
+        self.sharded = resources.sharding is Sharding.SHARD
         bundle = {"CPU": resources.num_cpus}
         if resources.num_gpus:
             bundle["GPU"] = resources.num_gpus
@@ -63,7 +64,7 @@ class PolicyGroup:
                     self.placement, placement_group_bundle_index=rank
                 ),
                 runtime_env={"env_vars": env},
-            ).remote(raw, policy_ids, own, rank, n)
+            ).remote(raw, policy_ids, own, rank, n, self.sharded)
             for rank in range(n)
         ]
         self.waiter = ThreadPoolExecutor(max_workers=1)  # resolves this group's update futures
@@ -80,7 +81,7 @@ class PolicyGroup:
                 f"{self.name} or add nodes"
             )
         get_all([w.ready.remote() for w in self.workers])
-        if len(self.workers) > 1:
+        if len(self.workers) > 1 or self.sharded:  # a sharded group of 1 is still FSDP2
             address = ray.get(self.workers[0].rendezvous_address.remote())
             get_all([w.join.remote(address) for w in self.workers])
 
@@ -102,6 +103,7 @@ class RemoteGenerator:
 
     def __init__(self, group: PolicyGroup, policy_id: str) -> None:
         self.group, self.policy_id = group, policy_id
+        self.last_sync_s = 0.0  # the slowest rank's last sync_weights
 
     def generate(
         self,
@@ -128,8 +130,10 @@ class RemoteGenerator:
         return [g for generations, _ in results for g in generations]
 
     def sync_weights(self) -> None:
-        """Every rank's engine samples from its new weights (a no-op for the HF engine)."""
-        get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
+        """Every rank's engine samples from its new weights (a no-op for the HF engine unless
+        sharded: then every rank gathers the new weights into its rollout copy)."""
+        seconds = get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
+        self.last_sync_s = max(float(s) for s in seconds)
 
 
 class RemoteLearner:
@@ -154,7 +158,10 @@ class RemoteLearner:
         return float(ray.get(self.group.workers[0].last_lr.remote(self.policy_id)))
 
     def save(self, out: Path) -> str:
-        kind = str(ray.get(self.group.workers[0].save.remote(self.policy_id, str(out))))
+        """The policy's folder, written on its workers' nodes: by rank 0, or every rank when
+        the group is sharded (each its shards; rank 0 the full weights)."""
+        writers = self.group.workers if self.group.sharded else self.group.workers[:1]
+        kind = str(get_all([w.save.remote(self.policy_id, str(out)) for w in writers])[0])
         if not out.is_dir():
             raise RuntimeError(
                 f"policy {self.policy_id!r} was saved on its worker's node but {out} is not "
@@ -164,6 +171,10 @@ class RemoteLearner:
 
     def restore(self, checkpoint: Path) -> None:
         get_all([w.restore.remote(self.policy_id, str(checkpoint)) for w in self.group.workers])
+
+    def shard_sizes(self) -> list[Any]:
+        """Per rank: the elements it holds of the trainable weights and optimizer state."""
+        return get_all([w.shard_sizes.remote(self.policy_id) for w in self.group.workers])
 
     def digests(self) -> list[str]:
         """A hash of the trainable weights on every rank (equal while the ranks are in step)."""

@@ -9,15 +9,19 @@ calls the functions the single-process loop calls (``generate``, ``ppo_update``,
   process (on CPU the runs are then identical). Ranks above 0 (generating other shards) and CUDA
   generators are seeded from that stream, so runs repeat but differ from one process.
 * **Data parallelism.** With several ranks, ``torch.distributed`` (gloo on CPU, nccl on GPU)
-  joins the group's workers; ``ppo_update`` gets an ``all_reduce`` that sums over the ranks.
+  joins the group's workers; ``ppo_update`` gets a group whose ``all_reduce`` sums over them.
+  With ``sharding: shard`` the group's models are sharded (FSDP2, :mod:`atgrpo.sharding`),
+  generation runs on each rank's rollout copy, and saving is a collective of every rank.
 
 The class is plain Python; group.py turns it into a Ray actor with ``ray.remote``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from atgrpo import checkpoint as ckpt
+from atgrpo import sharding
 from atgrpo.config import Config
 from atgrpo.generation import Generation
-from atgrpo.policies import build_generators, build_policies
+from atgrpo.policies import build_generators, build_policies, with_params
 from atgrpo.records import Sample
-from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+from atgrpo.update import DataParallel, UpdateSettings, UpdateStats, ppo_update
 
 
 class PolicyWorker:
@@ -40,18 +45,21 @@ class PolicyWorker:
         weights: dict[str, str],
         rank: int,
         world_size: int,
+        shard: bool = False,
     ) -> None:
         cfg = Config.model_validate(raw_cfg)
         own = {pid: cfg.policies[pid] for pid in policy_ids}
-        group_cfg = cfg.model_copy(update={"policies": own, "routing": {}})
+        self.cfg = cfg.model_copy(update={"policies": own, "routing": {}})
         # Seeded as the driver is before it builds policies: LoRA adapters start alike.
         torch.manual_seed(cfg.run.seed)
-        self.policies = build_policies(group_cfg, {pid: Path(w) for pid, w in weights.items()})
-        self.generators = build_generators(group_cfg, self.policies)  # rollout.engine: hf or vllm
+        self.policies = build_policies(self.cfg, {pid: Path(w) for pid, w in weights.items()})
+        self.generators = build_generators(self.cfg, self.policies)  # rollout.engine: hf or vllm
         self.rank, self.world_size = rank, world_size
+        self.sharded = shard  # backend.policies.<id>.sharding: shard
+        self.shards: dict[str, sharding.ShardedPolicy] = {}  # set by join() when sharded
         first = next(iter(self.policies.values()))
         self.device = next(first.model.parameters()).device
-        self.all_reduce: Any = None  # set by join() when the group has several ranks
+        self.group: DataParallel | None = None  # set by join() when the group has several ranks
 
     def ready(self) -> bool:
         return True
@@ -83,11 +91,21 @@ class PolicyWorker:
             dist.all_reduce(moved)
             tensor.copy_(moved)
 
-        self.all_reduce = all_reduce
+        self.group = DataParallel(all_reduce, self.rank, self.world_size, self.sharded)
         with torch.no_grad():
             for policy in self.policies.values():
                 for param in policy.params:
                     dist.broadcast(param.data, src=0)
+        if self.sharded:
+            self._shard()
+
+    def _shard(self) -> None:
+        """FSDP2 over the group; generation moves to each policy's rollout copy."""
+        rebuild = functools.partial(with_params, self.cfg)
+        self.shards = sharding.shard_policies(self.policies, rebuild, self.world_size)
+        self.policies = {pid: s.policy for pid, s in self.shards.items()}
+        rollout = {pid: s.rollout for pid, s in self.shards.items()}
+        self.generators = build_generators(self.cfg, rollout)
 
     # -- the protocols the driver calls ----------------------------------------------------------
 
@@ -128,16 +146,28 @@ class PolicyWorker:
     ) -> UpdateStats:
         """One PPO step on this rank's shard (the whole batch when the group has one rank)."""
         torch.set_rng_state(rng_state)  # dropout, if any, draws as the driver's process would
-        return ppo_update(self.policies[policy_id], samples, settings, self.all_reduce)
+        return ppo_update(self.policies[policy_id], samples, settings, self.group)
 
-    def sync_weights(self, policy_id: str) -> None:
+    def sync_weights(self, policy_id: str) -> float:
+        """The rollout engine samples from the new weights; returns the sync's wall time."""
+        start = time.perf_counter()
+        if policy_id in self.shards:  # a collective: every rank gathers the same tensors
+            self.shards[policy_id].sync_rollout()
         self.generators[policy_id].sync_weights()
+        return time.perf_counter() - start
 
     def last_lr(self, policy_id: str) -> float:
         return float(self.policies[policy_id].scheduler.get_last_lr()[0])
 
     def save(self, policy_id: str, out: str) -> str:
+        """The policy's checkpoint folder: rank 0 alone, or with sharding every rank."""
+        if self.sharded:
+            return sharding.save_sharded(self.policies[policy_id], Path(out), self.rank)
         return ckpt.save_policy(self.policies[policy_id], Path(out))
+
+    def shard_sizes(self, policy_id: str) -> sharding.ShardSizes:
+        """What this rank holds of the policy's trainable weights and optimizer state."""
+        return sharding.shard_sizes(self.policies[policy_id])
 
     def restore(self, policy_id: str, checkpoint: str) -> None:
         ckpt.restore_policy_state(Path(checkpoint), self.policies[policy_id])
@@ -145,6 +175,7 @@ class PolicyWorker:
     def digest(self, policy_id: str) -> str:
         """A hash of the trainable weights: equal on every rank of a group in step."""
         h = hashlib.sha256()
-        for param in self.policies[policy_id].params:
-            h.update(param.detach().cpu().contiguous().numpy().tobytes())
+        for param in self.policies[policy_id].params:  # sharded: gathered, a collective
+            full = sharding.full_tensor(param.detach())
+            h.update(full.cpu().contiguous().numpy().tobytes())
         return h.hexdigest()

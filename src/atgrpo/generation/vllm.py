@@ -306,13 +306,19 @@ class VLLMGenerator:
             shutil.rmtree(old.lora_path)
 
 
-def save_adapter(model: Any, adapter: str, folder: Path) -> None:
-    """One peft adapter alone, as peft's ``save_pretrained`` writes it (config + weights)."""
+def save_adapter(
+    model: Any, adapter: str, folder: Path, state_dict: dict[str, Any] | None = None
+) -> None:
+    """One peft adapter alone, as peft's ``save_pretrained`` writes it (config + weights).
+
+    ``state_dict``: the model's full weights when they are not its own parameters (gathered
+    from a sharded model, :mod:`atgrpo.sharding`).
+    """
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
-    state = get_peft_model_state_dict(model, adapter_name=adapter)
+    state = get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=adapter)
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in state.items()}, folder / _ADAPTER_WEIGHTS
     )

@@ -1,0 +1,250 @@
+"""Sharded worker groups: FSDP2 over a policy's ranks (atgrpo.sharding), on CPU with gloo.
+
+Default tier: the config refuses what a sharded group does not run, with the key and the fix,
+and the tiny model's decoder layers are found bare and inside peft.
+
+Tier ``scale`` (``make test-scale``, Ray on a simulated cluster of two one-CPU nodes, one rank
+per node):
+
+* Two sharded ranks take the step one process takes on the same batch (loss, statistics and
+  every updated weight), with micro-batches that need padding on one rank and the KL term's
+  reference sharded too; each rank holds half of the parameters and of the AdamW state.
+* The sharded checkpoint resumes to the same next step on two ranks and in one process.
+* LoRA adapters on a sharded base take the single-process step and save as adapters alone.
+* A two-step run trains through a sharded group (its rollout copies synced after each update,
+  ``perf/sync_s``), checkpoints and resumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atgrpo.checkpoint import restore_policy_state
+from atgrpo.config import ConfigError, load_config
+from atgrpo.generation import HFGenerator
+from atgrpo.loss import LossAggregation
+from atgrpo.models import load_model, prepare_tiny_model
+from atgrpo.policies import build_policies, build_policy
+from atgrpo.records import Sample
+from atgrpo.sharding import decoder_layers
+from atgrpo.train import train
+from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+from conftest import REPO
+from helpers import UPDATE_DEFAULTS
+
+TINY = REPO / "configs" / "tiny.yaml"
+LORA = REPO / "configs" / "tiny-lora.yaml"
+SHARD = ("backend.kind=ray", "train.share_prefix=false")
+STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "grad_norm")
+
+
+def test_the_config_names_what_a_sharded_group_needs(tmp_path: Path) -> None:
+    shard = "backend.policies.shared.sharding=shard"
+    cases = [
+        ([shard, "train.share_prefix=false"], "backend.kind=ray"),
+        ([shard, *SHARD, "rollout.engine=vllm"], "rollout.engine=hf"),
+        ([shard, "backend.kind=ray"], "train.share_prefix=false"),
+    ]
+    for overrides, fix in cases:
+        with pytest.raises(ConfigError, match=fix):
+            load_config(TINY, [f"run.output_dir={tmp_path}", *overrides])
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", shard, *SHARD])
+    assert cfg.backend.policies["shared"].sharding.value == "shard"
+
+
+def test_decoder_layers_are_found_bare_and_inside_peft() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = load_model(prepare_tiny_model())
+    bare = decoder_layers(model)
+    assert bare and all(type(m).__name__ == "LlamaDecoderLayer" for m in bare)
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    assert len(decoder_layers(get_peft_model(model, lora))) == len(bare)
+    with pytest.raises(ValueError, match="sharding: replicate"):
+        decoder_layers(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tier scale: Ray, two gloo ranks
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Any]:
+    """A simulated cluster of two nodes with one CPU each (started and stopped here)."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def _sharded(path: Path, root: Path, cluster: Any, group: str, *extra: str) -> Any:
+    return load_config(
+        path,
+        [
+            f"run.output_dir={root}",
+            *SHARD,
+            f"backend.address={cluster.address}",
+            f"backend.policies.{group}.num_workers=2",
+            f"backend.policies.{group}.placement=STRICT_SPREAD",  # one rank per node
+            f"backend.policies.{group}.sharding=shard",
+            *extra,
+        ],
+    )
+
+
+def _settings(kl: float) -> UpdateSettings:
+    # Micro-batches of 3: the ranks' 4 and 3 samples run 2 and 1, so one rank pads.
+    defaults = {**UPDATE_DEFAULTS, "share_prefix": False}
+    return UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, kl, 0.01, 3, 1.0, **defaults)
+
+
+def _batch(policy: Any, policy_id: str = "shared", flip: bool = False) -> list[Sample]:
+    """Seven samples of three prompts of different lengths, advantages of both signs."""
+    tok = policy.tokenizer
+    torch.manual_seed(0)
+    engine = HFGenerator(policy.model, tok, share_prefill=True)
+    policy.activate()
+    samples = []
+    for i, text in enumerate(["Moves?", "Where is the goal, planner?", "Go"]):
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        n = 3 if i < 2 else 1
+        gens = engine.generate(
+            [prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0, top_k=0, top_p=1.0
+        )
+        for k, g in enumerate(gens):
+            advantage = ((k - 1) * 0.7 + 0.2 * i) * (-1.0 if flip else 1.0)
+            samples.append(
+                Sample(i, i, "planner", 0, k, policy_id, prompt, g.token_ids, g.logprobs,
+                       0.0, 0.0, 0.0, True, advantage=advantage)
+            )  # fmt: skip
+    return samples
+
+
+def _assert_same_stats(got: UpdateStats, want: UpdateStats) -> None:
+    assert not want.skipped and not got.skipped
+    assert (got.num_samples, got.num_tokens) == (want.num_samples, want.num_tokens)
+    for k in STATS:
+        assert getattr(got, k) == pytest.approx(getattr(want, k), abs=1e-5), k
+
+
+def _assert_saved_weights(folder: Path, model: Any, file: str = "model.safetensors") -> int:
+    """The saved full weights equal ``model``'s; returns how many tensors were compared."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / file))
+    state = model.state_dict()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, state[name], atol=1e-5, rtol=0)
+    return len(saved)
+
+
+@pytest.mark.scale
+def test_sharded_ranks_take_the_single_process_step_and_resume_on_two_ranks_and_one(
+    two_nodes: Any, tmp_path: Path
+) -> None:
+    from atgrpo.distributed import start_ray_policies
+
+    cfg = _sharded(TINY, tmp_path, two_nodes, "shared", "algo.kl_coef=0.05")
+    settings = _settings(kl=0.05)
+    policy = build_policy(cfg)
+    first, second = _batch(policy), _batch(policy, flip=True)
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    want = ppo_update(policy, first, settings)
+    checkpoint = tmp_path / "step-1"
+    remote = start_ray_policies(cfg)
+    try:
+        learner = remote.learners["shared"]
+        got = learner.update(first, settings).result()
+        sizes = learner.shard_sizes()
+        learner.save(checkpoint / "policy-shared")
+    finally:
+        remote.close()
+    _assert_same_stats(got, want)
+    assert _assert_saved_weights(checkpoint / "policy-shared", policy.model)
+    assert any(not torch.equal(before[k], v) for k, v in policy.model.state_dict().items())
+    # Each rank holds half (to a row) of the weights and of AdamW's two moments.
+    assert sum(s.params_local for s in sizes) == sizes[0].params_full
+    assert sum(s.optimizer_local for s in sizes) == sizes[0].optimizer_full
+    assert sizes[0].optimizer_full == 2 * sizes[0].params_full
+    for s in sizes:
+        assert 0.45 < s.params_local / s.params_full < 0.55
+        assert 0.45 < s.optimizer_local / s.optimizer_full < 0.55
+
+    # The next step: this process going on, one process resumed, two ranks resumed.
+    want_next = ppo_update(policy, second, settings)
+    weights = {"shared": checkpoint / "policy-shared"}
+    one = build_policies(cfg, weights)["shared"]
+    restore_policy_state(checkpoint, one)
+    _assert_same_stats(ppo_update(one, second, settings), want_next)
+    for name, tensor in policy.model.state_dict().items():
+        torch.testing.assert_close(one.model.state_dict()[name], tensor, atol=1e-5, rtol=0)
+    remote = start_ray_policies(cfg, weights)
+    try:
+        learner = remote.learners["shared"]
+        learner.restore(checkpoint)
+        got_next = learner.update(second, settings).result()
+        learner.save(tmp_path / "step-2" / "policy-shared")
+    finally:
+        remote.close()
+    _assert_same_stats(got_next, want_next)
+    _assert_saved_weights(tmp_path / "step-2" / "policy-shared", policy.model)
+
+
+@pytest.mark.scale
+def test_lora_adapters_on_a_sharded_base_take_the_single_process_step(
+    two_nodes: Any, tmp_path: Path
+) -> None:
+    from atgrpo.distributed import start_ray_policies
+
+    cfg = _sharded(LORA, tmp_path, two_nodes, "tool")  # the group is named by its first policy
+    settings = _settings(kl=0.0)
+    torch.manual_seed(cfg.run.seed)  # as the driver and every worker seed: adapters start alike
+    local = build_policies(cfg)
+    batch = _batch(local["tool"], "tool")
+    want = ppo_update(local["tool"], batch, settings)
+    remote = start_ray_policies(cfg)
+    try:
+        got = remote.learners["tool"].update(batch, settings).result()
+        sizes = remote.learners["tool"].shard_sizes()
+        assert remote.learners["planner"].update([], settings).result().skipped
+        remote.learners["tool"].save(tmp_path / "ck" / "policy-tool")
+    finally:
+        remote.close()
+    _assert_same_stats(got, want)
+    assert sum(s.params_local for s in sizes) == sizes[0].params_full  # the adapter, sharded
+    folder = tmp_path / "ck" / "policy-tool"
+    assert (folder / "adapter_config.json").is_file() and (folder / "sharded").is_dir()
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(str(folder / "adapter_model.safetensors"))
+    state = get_peft_model_state_dict(local["tool"].model, adapter_name="tool")
+    assert saved.keys() == state.keys()
+    for name, tensor in state.items():
+        torch.testing.assert_close(saved[name], tensor, atol=1e-5, rtol=0)
+
+
+@pytest.mark.scale
+def test_a_run_trains_checkpoints_and_resumes_through_a_sharded_group(
+    two_nodes: Any, tmp_path: Path
+) -> None:
+    cfg = _sharded(TINY, tmp_path, two_nodes, "shared", "rollout.max_new_tokens=8")
+    result = train(cfg)
+    assert result.steps_done == 2 and result.checkpoint is not None
+    assert (result.checkpoint / "policy-shared" / "sharded" / ".metadata").is_file()
+    stepped = [m for m in result.history if not m["loss/skipped"]]
+    assert stepped and all(m["perf/sync_s"] > 0.0 for m in stepped)
+    longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 3})})
+    resumed = train(longer, resume=True)
+    assert resumed.steps_done == 3 and len(resumed.history) == 1
