@@ -53,7 +53,7 @@ from atgrpo.loss import LossAggregation
 from atgrpo.policies import build_policy
 from atgrpo.records import Sample
 from atgrpo.train import train
-from atgrpo.update import UpdateSettings, ppo_update
+from atgrpo.update import DataParallel, UpdateSettings, ppo_update
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS
 
@@ -410,7 +410,8 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
     got: list[Any] = [None, None]
 
     def run(rank: int) -> None:
-        got[rank] = ppo_update(ranks[rank], shards[rank], settings, world.all_reduce(rank))
+        group = DataParallel(world.all_reduce(rank), rank, 2)
+        got[rank] = ppo_update(ranks[rank], shards[rank], settings, group)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for t in threads:
