@@ -332,6 +332,12 @@ def test_gpu_configs_give_each_policy_its_resource_pool() -> None:
                 assert sorted(p for ids in groups.values() for p in ids) == sorted(cfg.policies)
                 for ids in groups.values():
                     assert group_resources(cfg, ids).num_gpus >= 1
+    for domain in ("plan_path", "sudoku", "sokoban", "code", "math"):
+        # 8B whole-model training: one group, sharded over 8 GPUs
+        cfg = load_config(gpu / f"qwen3-8b-{domain}-mas-full.yaml")
+        assert cfg.policies["shared"].lora is None
+        assert cfg.backend.policies["shared"].sharding.value == "shard"
+        assert group_resources(cfg, ["shared"]).num_workers == 8
 
 
 def test_backend_errors_name_the_key() -> None:

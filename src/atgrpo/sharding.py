@@ -129,10 +129,14 @@ class ShardedPolicy:
 
 
 def _rollout_copy(model: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    rollout = copy.deepcopy(model).requires_grad_(False)
-    if device.type == "cuda" and dtype is not None:
-        rollout = rollout.to(dtype)  # sampling under autocast needs no fp32 master copy
-    return rollout
+    """A frozen copy of ``model``; on a GPU with bf16 its weights are bf16 from the start
+    (sampling under autocast needs no fp32 master copy), so the copy never costs fp32 memory."""
+    cast = dtype if device.type == "cuda" and dtype is not None else None
+    memo: dict[int, Any] = {}
+    if cast is not None:
+        for param in model.parameters():  # deepcopy takes these instead of copying in fp32
+            memo[id(param)] = torch.nn.Parameter(param.detach().to(cast), requires_grad=False)
+    return copy.deepcopy(model, memo).requires_grad_(False)
 
 
 def shard_policies(

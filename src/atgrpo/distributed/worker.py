@@ -19,6 +19,7 @@ The class is plain Python; group.py turns it into a Ray actor with ``ray.remote`
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import socket
 import time
@@ -106,6 +107,9 @@ class PolicyWorker:
         self.policies = {pid: s.policy for pid, s in self.shards.items()}
         rollout = {pid: s.rollout for pid, s in self.shards.items()}
         self.generators = build_generators(self.cfg, rollout)
+        gc.collect()  # the replicas' full tensors go with the old policies and generators
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # -- the protocols the driver calls ----------------------------------------------------------
 
