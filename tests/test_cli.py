@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -191,3 +192,17 @@ def test_describe_prints_the_reference(capsys: pytest.CaptureFixture[str]) -> No
 def test_the_committed_config_reference_is_current() -> None:
     committed = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
     assert committed == describe(), "docs/config.md is stale: .venv/bin/atgrpo config --describe"
+
+
+def test_train_prints_held_out_success_with_intervals_and_the_paired_gain(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    evals = ["eval.before_training=true", "eval.after_training=true", "eval.num_tasks=3"]
+    args = [TINY, f"run.output_dir={tmp_path}", "train.steps=1", *FAST, *evals]
+    code, out, _ = _run(capsys, "train", *args)
+    assert code == 0
+    lines = [x for x in out.splitlines() if x.startswith(("held-out success", "gain"))]
+    assert len(lines) == 3, out
+    for line in lines[:2]:  # "success 33.3% [6.1, 79.2] on 3 test tasks"
+        assert re.search(r"success \d+\.\d% \[\d+\.\d, \d+\.\d\] on 3 test tasks", line), line
+    assert re.match(r"gain: [+-]\d+\.\d points \[[+-]\d+\.\d, [+-]\d+\.\d\] \(95 %", lines[2])

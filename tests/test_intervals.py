@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atgrpo.intervals import difference_interval, success_interval, wilson
+from atgrpo.evaluate import TaskResult
+from atgrpo.intervals import (
+    difference_interval,
+    report_gain,
+    report_interval,
+    success_interval,
+    wilson,
+)
 
 
 def test_wilson_matches_the_textbook_values() -> None:
@@ -50,3 +57,20 @@ def test_paired_difference_sees_a_consistent_gain_that_unpaired_noise_hides() ->
 def test_rejects_a_malformed_cell() -> None:
     with pytest.raises(ValueError, match="shape"):
         success_interval(np.array([1, 0, 1]), episodes=1)
+
+
+def _tasks(solved: list[int], seeds: list[int] | None = None) -> list[TaskResult]:
+    seeds = seeds or list(range(len(solved)))
+    pairs = zip(solved, seeds, strict=True)
+    return [TaskResult(i, s, None, c, 1, 0.0) for i, (c, s) in enumerate(pairs)]
+
+
+def test_an_evaluation_gets_its_wilson_interval_and_a_training_gain_a_paired_one() -> None:
+    before = _tasks([1] * 27 + [0] * 73)
+    after = _tasks([1] * 27 + [1] * 30 + [0] * 43)  # the same 27, 30 more
+    one = report_interval(before)
+    assert (one.low, one.high) == pytest.approx(wilson(27, 100))
+    gain = report_gain(after, before)
+    assert gain is not None and gain.mean == pytest.approx(0.30)
+    assert 0.2 < gain.low < 0.30 < gain.high < 0.4  # paired: far narrower than two Wilsons
+    assert report_gain(after, _tasks([0] * 100, seeds=list(range(1, 101)))) is None  # other tasks

@@ -24,16 +24,20 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from atgrpo.evaluate import EvalReport
 
 from atgrpo import __version__
 from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import ConfigError, dump_config, load_config
 from atgrpo.data.base import DatasetError
 from atgrpo.grid import RunFailedError
+from atgrpo.intervals import report_gain, report_interval
 from atgrpo.models import ModelError, load_model, prepare_default_model, prepare_tiny_model
 from atgrpo.prompts import PromptTooLongError
 from atgrpo.sandbox import SandboxSetupError
@@ -84,14 +88,29 @@ def _print_eval(title: str, report: object) -> None:
     valid = "  ".join(f"{a} {v:.2f}" for a, v in report.valid_rate.items())
     n = report.samples_per_task
     sampled = "".join(f", pass@{k} {v:.1%}" for k, v in report.pass_at.items())
+    interval = ""
+    if report.tasks:  # the 95 % interval over the held-out tasks (Wilson)
+        found = report_interval(report.tasks)
+        interval = f" [{100 * found.low:.1f}, {100 * found.high:.1f}]"
     console.print(
-        f"[bold]{escape(title)}[/]: success {report.success_rate:.1%}"
+        f"[bold]{escape(title)}[/]: success {report.success_rate:.1%}{interval}"
         + (f" (avg@{n}{sampled})" if n > 1 else "")
         + f" on {report.num_tasks} {report.split} tasks  (team return "
         f"{report.mean_team_return:+.3f}; valid-format rate {valid})"
     )
     if report.note:  # fewer distinct tasks than asked for
         console.print(f"[yellow]{escape(report.note)}[/]")
+
+
+def _print_gain(before: EvalReport, after: EvalReport) -> None:
+    gain = report_gain(after.tasks, before.tasks)
+    if gain is None:
+        return
+    console.print(
+        f"[bold]gain[/]: {100 * gain.mean:+.1f} points [{100 * gain.low:+.1f}, "
+        f"{100 * gain.high:+.1f}] (95 % interval, paired bootstrap over the same "
+        f"{len(after.tasks)} tasks)"
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -165,6 +184,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         _print_eval("held-out success before training", result.eval_before)
     if result.eval_after is not None:
         _print_eval("held-out success after training ", result.eval_after)
+    if result.eval_before is not None and result.eval_after is not None:
+        _print_gain(result.eval_before, result.eval_after)
     if result.checkpoint is not None:
         console.print(f"checkpoint: {result.checkpoint}")
     console.print(f"metrics: {result.run_dir / 'metrics.jsonl'}")

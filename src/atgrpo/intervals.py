@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,21 @@ def difference_interval(
     diffs = _resampled_means(a, tasks, rng) - _resampled_means(b, tasks, rng)
     low, high = np.percentile(diffs, [2.5, 97.5])
     return Interval(float(a.mean() - b.mean()), float(low), float(high), "bootstrap")
+
+
+def report_interval(tasks: list[Any]) -> Interval:
+    """One evaluation's success with its Wilson interval (``EvalReport.tasks``)."""
+    solved = np.array([[t.successes for t in tasks]], dtype=np.float64)
+    return success_interval(solved, episodes=tasks[0].episodes if tasks else 1)
+
+
+def report_gain(after: list[Any], before: list[Any]) -> Interval | None:
+    """Success after minus before on the same tasks, paired; None when the tasks differ."""
+    if not after or [t.seed for t in after] != [t.seed for t in before]:
+        return None
+    a = np.array([[t.successes for t in after]], dtype=np.float64)
+    b = np.array([[t.successes for t in before]], dtype=np.float64)
+    return difference_interval(a, b, episodes=after[0].episodes)
 
 
 def _resampled_means(rates: np.ndarray, tasks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
