@@ -64,9 +64,7 @@ def test_table_has_success_intervals_and_the_delta_to_the_first_row(tmp_path: Pa
     md_path, csv_path = write_tables(cells, tmp_path)
     assert md_path.read_text() == md
     lines = list(csv.DictReader(csv_path.open()))
-    assert [
-        (r["method"], r["benchmark"], r["success"], r["delta_to_first"]) for r in lines[:3]
-    ] == [
+    assert [(r["method"], r["benchmark"], r["success"], r["delta"]) for r in lines[:3]] == [
         ("Single agent", "Plan-Path", "5.00", "0.00"),
         ("Single agent", "Sudoku", "7.00", "0.00"),
         ("MAS", "Plan-Path", "10.00", "5.00"),
@@ -75,6 +73,31 @@ def test_table_has_success_intervals_and_the_delta_to_the_first_row(tmp_path: Pa
     assert last["seeds"] == "0 1 2" and last["success_per_seed"] == "99.00 99.00 99.00"
     assert float(last["success_low"]) <= 99.0 <= float(last["success_high"])
     assert float(last["delta_low"]) > 0  # 99 vs 7 on the same 100 tasks
+
+
+def test_a_row_is_compared_with_its_versus_row(tmp_path: Path) -> None:
+    cells = [
+        _cell("Single agent", "Arith", 0.0),
+        _cell("MAS", "Arith", 0.27),
+        _cell("MAS + AT-GRPO", "Arith", 0.55, 0.61),
+    ]
+    cells[2].versus = "MAS"
+    _, rows = table_rows(cells)
+    assert rows[1][2].startswith("27.0 [19.3, 36.4]; +27.0 [+") and rows[1][2].endswith("]")
+    assert "; +31.0 [+" in rows[2][2] and rows[2][2].endswith("] vs MAS")
+    _, csv_path = write_tables(cells, tmp_path)
+    last = list(csv.DictReader(csv_path.open()))[-1]
+    assert (last["delta"], last["delta_versus"]) == ("31.00", "MAS")
+    with pytest.raises(ValueError, match="methods.1.versus: no other method"):
+        Comparison.model_validate(
+            {
+                "benchmarks": [{"name": "Arith"}],
+                "methods": [
+                    {"label": "a", "config": "c.yaml"},
+                    {"label": "b", "config": "c.yaml", "versus": "b"},
+                ],
+            }
+        )
 
 
 def test_csv_has_pass_at_k_columns_when_sampled(tmp_path: Path) -> None:
@@ -179,7 +202,7 @@ def test_compare_produces_the_plan_path_table_with_the_tiny_model(
     assert labels == [m["label"] for m in spec["methods"]]
     assert all("; " in row for row in md[3:8])  # every row after the first shows its delta
     rows = list(csv.DictReader((tmp_path / "table" / "table.csv").open()))
-    assert len(rows) == 6 and rows[0]["delta_to_first"] == "0.00"
+    assert len(rows) == 6 and rows[0]["delta"] == "0.00"
     assert {r["num_tasks"] for r in rows} == {"2"} and {r["split"] for r in rows} == {"test"}
     assert rows[1]["checkpoints"].endswith("step-000001") and rows[0]["checkpoints"] == ""
 

@@ -86,6 +86,13 @@ class Method(_Strict):
         ),
     )
     overrides: list[str] = Field(default_factory=list, description="key=value for this method.")
+    versus: str | None = Field(
+        None,
+        description=(
+            "The label of the row this one's paired difference is against (e.g. MAS + AT-GRPO "
+            "against MAS untrained); null = the first row."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> Method:
@@ -123,6 +130,9 @@ class Comparison(_Strict):
                 raise ValueError(
                     f"methods.{i}.runs_of: no method labelled {m.runs_of!r} has train: true"
                 )
+            labels = [o.label for o in self.methods if o is not m]
+            if m.versus is not None and m.versus not in labels:
+                raise ValueError(f"methods.{i}.versus: no other method is labelled {m.versus!r}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds repeat a seed: {self.seeds}")
         return self
@@ -152,6 +162,7 @@ class Cell:
     checkpoints: list[str]  # "" for an untrained model
     config: str
     seeds: list[int] = field(default_factory=lambda: [0])
+    versus: str | None = None  # the row its difference is against; None: the first row
 
     @property
     def report(self) -> EvalReport:
@@ -329,7 +340,9 @@ def run_comparison(
                 else:
                     reports.append(evaluate(cfg, checkpoint, comparison.split))
             names = [str(c or "") for c in checkpoints]
-            cell = Cell(method.label, bench.name, reports, names, method.config, seeds)
+            cell = Cell(
+                method.label, bench.name, reports, names, method.config, seeds, method.versus
+            )
             cells.append(cell)
             if on_cell is not None:
                 on_cell(cell)
@@ -351,23 +364,30 @@ def _grid(cells: list[Cell]) -> tuple[list[str], list[str], dict[tuple[str, str]
     return methods, benchmarks, {(c.method, c.benchmark): c for c in cells}
 
 
+def _baseline(cell: Cell, methods: list[str]) -> str:
+    return cell.versus or methods[0]
+
+
 def _delta(cell: Cell, base: Cell) -> Interval:
     return difference_interval(cell.solved(), base.solved(), cell.report.samples_per_task)
 
 
 def table_rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the paper-style table: success % [95 % interval] per benchmark, and
-    after the first row the difference to it in points [its paired 95 % interval]."""
+    the difference to the first row (or the row's ``versus``) in points [its paired 95 %
+    interval], naming a ``versus`` row."""
     methods, benchmarks, grid = _grid(cells)
     rows = []
-    for i, method in enumerate(methods):
+    for method in methods:
         row = [method, str(len(grid[(method, benchmarks[0])].seeds))]
         for bench in benchmarks:
-            cell, base = grid[(method, bench)], grid[(methods[0], bench)]
+            cell = grid[(method, bench)]
+            versus = _baseline(cell, methods)
             text = cell.interval().percent()
-            if i > 0:
-                d = _delta(cell, base)
+            if versus != method:
+                d = _delta(cell, grid[(versus, bench)])
                 text += f"; {100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+                text += f" vs {versus}" if cell.versus else ""
             row.append(text)
         rows.append(row)
     return ["Method", "seeds", *benchmarks], rows
@@ -384,9 +404,9 @@ def markdown_table(cells: list[Cell]) -> str:
         "",
         f"Success rate (%) on {first.num_tasks} {first.split} tasks per benchmark ({sampling}), "
         "mean over the seeds, with its 95 % interval (one seed: Wilson over tasks; several: "
-        "bootstrap over tasks and seeds); after ';' the difference to the first row in points "
-        "with its 95 % interval (paired over tasks). An interval that contains 0 does not show "
-        "a difference.",
+        "bootstrap over tasks and seeds); after ';' the difference to the first row (or to the "
+        "row named after 'vs') in points with its 95 % interval (paired over tasks). An "
+        "interval that contains 0 does not show a difference.",
     ]
     # A benchmark with fewer distinct tasks than asked for says so (same tasks in every row).
     notes = dict.fromkeys(f"{c.benchmark}: {c.report.note}" for c in cells if c.report.note)
@@ -404,9 +424,10 @@ CSV_COLUMNS = (
     "success",
     "success_low",
     "success_high",
-    "delta_to_first",
+    "delta",
     "delta_low",
     "delta_high",
+    "delta_versus",
     "success_per_seed",
 )
 
@@ -419,7 +440,8 @@ def write_csv(cells: list[Cell], path: Path) -> None:
         out = csv.writer(f)
         out.writerow([*CSV_COLUMNS, *(f"pass@{k}" for k in ks), "config", "checkpoints"])
         for c in cells:
-            iv, d = c.interval(), _delta(c, grid[(methods[0], c.benchmark)])
+            versus = _baseline(c, methods)
+            iv, d = c.interval(), _delta(c, grid[(versus, c.benchmark)])
             out.writerow(
                 [
                     c.method,
@@ -430,6 +452,7 @@ def write_csv(cells: list[Cell], path: Path) -> None:
                     " ".join(map(str, c.seeds)),
                     *(f"{100 * x:.2f}" for x in (iv.mean, iv.low, iv.high)),
                     *(f"{100 * x:.2f}" for x in (d.mean, d.low, d.high)),
+                    versus,
                     " ".join(f"{100 * r.success_rate:.2f}" for r in c.reports),
                     *(_mean_pass_at(c, k) for k in ks),
                     c.config,
