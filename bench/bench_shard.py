@@ -11,10 +11,14 @@ random sequences (prompt + response, advantages of both signs). With ``--ranks 1
 sharded path on one rank (the check for a single GPU).
 
 Per mode, rank 0's figures: the elements of trainable weights and of AdamW state it holds
-(local shards against the full count), the update's wall time per step (median), the rollout
+(local shards against the full count) and the memory they take with their gradients (fp32:
+4 bytes x (2 x weights + AdamW state)), the update's wall time per step (median), the rollout
 copy's weight sync (shard only: every trained tensor gathered and copied), peak memory (CPU:
-the process's peak RSS, VmHWM; GPU: ``torch.cuda.max_memory_allocated``), and the gradient
-norm of the last step, which must agree between the modes.
+the process's peak RSS, VmHWM, loading and sharding included, with freed memory kept by the
+allocator; GPU: ``torch.cuda.max_memory_allocated`` over the steps), and the gradient
+norm of the first step, which must agree between the modes (to float summation order), and of
+the last (after N - 1 AdamW steps of the config's lr the modes' weights drift apart a little:
+Adam's normalised step amplifies rounding differences where a gradient is near 0).
 """
 
 from __future__ import annotations
@@ -108,27 +112,32 @@ def _rank(rank: int, args: argparse.Namespace, address: str, out: str) -> None:
         tensor.copy_(moved)
 
     group = DataParallel(all_reduce, rank, args.ranks, sharded=shards is not None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the steps' peak, not the loading's
     samples = _batch(args, policy.tokenizer.vocab_size)[rank :: args.ranks]
     settings = _settings(args.micro_batch)
-    steps, syncs, grad_norm = [], [], float("nan")
+    steps, syncs, grad_norms = [], [], []
     for _ in range(args.steps):
         start = time.perf_counter()
         stats = ppo_update(policy, samples, settings, group)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         steps.append(time.perf_counter() - start)
-        grad_norm = stats.grad_norm
+        grad_norms.append(stats.grad_norm)
         if shards is not None:
             shards["shared"].sync_rollout()
             syncs.append(shards["shared"].sync_s)
     sizes = shard_sizes(policy)
+    # fp32 weights + their gradients + AdamW's two moments, as this rank holds them
+    state_mib = 4 * (2 * sizes.params_local + sizes.optimizer_local) / 2**20
     if rank == 0:
         sync = statistics.median(syncs) if syncs else 0.0
         row = (
             f"{args.mode:<9} {sizes.params_local:>12,} / {sizes.params_full:<12,} "
             f"{sizes.optimizer_local:>12,} / {sizes.optimizer_full:<12,} "
-            f"{statistics.median(steps):>8.2f} {sync:>8.3f} {_peak_mib(device):>10.0f} "
-            f"{grad_norm:>10.6f}"
+            f"{state_mib:>9.0f} {statistics.median(steps):>8.2f} {sync:>8.3f} "
+            f"{_peak_mib(device):>10.0f} "
+            f"{grad_norms[0]:>12.6f} {grad_norms[-1]:>12.6f}"
         )
         Path(out).write_text(row + "\n")
     dist.destroy_process_group()
@@ -160,7 +169,8 @@ def main() -> int:
         f"{args.prompt_tokens} + {args.response_tokens} tokens, micro-batches of "
         f"{args.micro_batch}, {args.steps} steps; rank 0's figures\n"
         f"{'mode':<9} {'weights held / full':>27} {'AdamW state held / full':>27} "
-        f"{'update s':>8} {'sync s':>8} {'peak MiB':>10} {'grad norm':>10}"
+        f"{'state MiB':>9} {'update s':>8} {'sync s':>8} {'peak MiB':>10} "
+        f"{'grad norm 1':>12} {'grad norm N':>12}"
     )
     for mode in args.modes:
         if mode == "replicate" and args.ranks == 1:
