@@ -32,9 +32,9 @@ Workloads:
   is 1 if the answer holds a digit, plus 0.02 per distinct character, so nearly every group has
   non-zero advantages. atgrpo runs its real components: ``build_policy`` (model + AdamW),
   ``HFGenerator``, ``Sample`` records, ``assign_advantages`` and ``ppo_update``.
-* ``b``: the demo's multi-agent workload: ``atgrpo.train.train`` on ``configs/demo.yaml`` (no
-  evaluation, a temporary output folder), timings from ``perf/step_s``, ``perf/rollout_s`` and
-  ``perf/update_s`` of its history.
+* ``b``: the Plan-Path demo's multi-agent workload: ``atgrpo.train.train`` on
+  ``configs/plan_path-demo.yaml`` (no evaluation, a temporary output folder), timings from
+  ``perf/step_s``, ``perf/rollout_s`` and ``perf/update_s`` of its history.
 
 Per variant: mean seconds per step of generation (workload b: the whole rollout, with env
 steps), update and total over steps 2..N (step 1 is warm-up), tokens/s as verl counts it (the
@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_CONFIG = REPO / "configs" / "demo.yaml"
+DEMO_CONFIG = REPO / "configs" / "plan_path-demo.yaml"
 
 # Workload a.
 NUM_PROMPTS = 4
@@ -500,7 +500,7 @@ WORKLOAD_TITLES = {
         f"(a) single agent, single turn: {NUM_PROMPTS} prompts of ~{PROMPT_TOKENS} tokens x "
         f"K={K}, {MAX_NEW_TOKENS} new tokens, micro-batch {MICRO_BATCH}, bf16 autocast"
     ),
-    "b": "(b) the demo (configs/demo.yaml): MAS Plan-Path, tree sampling, atgrpo.train.train",
+    "b": "(b) the Plan-Path demo (configs/plan_path-demo.yaml): MAS, tree sampling, train()",
 }
 
 
