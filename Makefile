@@ -34,7 +34,7 @@ $(VENV)/.test: $(VENV)/.data pyproject.toml
 # Train the two-agent arithmetic team (a tool agent and a reasoner) on the embedded
 # SmolLM2-135M-Instruct (about 10 min on 2 cores), printing per-step rewards and held-out
 # success on 100 test tasks before and after training, with 95 % intervals and the gain.
-demo: $(VENV)/.model
+demo: $(VENV)/.model $(VENV)/.data
 	$(VENV)/bin/atgrpo models prepare
 	$(VENV)/bin/atgrpo train configs/demo.yaml run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
