@@ -217,6 +217,38 @@ except OSError as exc:
 
 
 @needs_root
+def test_an_interpreter_dir_under_a_temp_dir_is_exposed_past_the_fresh_tmpfs(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clone under /tmp with its .venv: searchable by everyone, but the sandbox's own /tmp
+    would hide it, so it is bound in like an unreachable one (and nothing else of the clone)."""
+    _skip_without_private_fs()
+    clone = Path(tempfile.mkdtemp(dir="/tmp", prefix="atgrpo-clone-"))
+    try:
+        clone.chmod(0o755)  # unlike mktemp's 0700: nothing blocks the way, only the tmpfs
+        (clone / "lib").mkdir(mode=0o755)
+        (clone / "lib" / "probe_module.py").write_text("VALUE = 42\n")
+        (clone / "secret").write_text("s3cret")
+        own = sandbox._interpreter_dirs()
+        monkeypatch.setattr(sandbox, "_interpreter_dirs", lambda: [*own, str(clone / "lib")])
+        exposed = sandbox._exposure(SHARED_TMP_DIRS)
+        assert str(clone) in exposed.covers and str(clone / "lib") in exposed.binds
+        launcher = dataclasses.replace(sandbox._get_launcher(), exposed=exposed)
+        monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
+        code = f"""
+import os, sys
+sys.path.insert(0, {str(clone / "lib")!r})
+import probe_module
+print(probe_module.VALUE, sorted(os.listdir({str(clone)!r})))
+"""
+        r = run_python(code, FAST)
+        assert r.status is ExitStatus.OK, r.stderr
+        assert r.stdout == "42 ['lib']\n"  # the clone's secret stays out
+    finally:
+        shutil.rmtree(clone)
+
+
+@needs_root
 def test_without_the_exposure_the_fallback_names_the_missing_packages() -> None:
     launcher = sandbox._get_launcher()
     if not launcher.exposed.covers:

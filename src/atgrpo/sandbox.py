@@ -508,8 +508,11 @@ def _exposure(tmp_dirs: Sequence[str]) -> _Exposure:
     covers: set[str] = set()
     binds: list[str] = []
     for path in _interpreter_dirs():
+        hidden = _hidden_by_temp_dir(path, tmp_dirs)
         blocked = _first_unsearchable(path)
-        if blocked is None or blocked == path:
+        if hidden is not None and (blocked is None or _inside(hidden, blocked)):
+            blocked = hidden  # searchable, but the sandbox's fresh temp dir hides it
+        elif blocked is None or blocked == path:
             continue  # reachable already, or its own permissions keep others out (no fix)
         if any(_inside(t, blocked) for t in tmp_dirs):
             continue  # its cover would hide a temp dir
@@ -517,6 +520,16 @@ def _exposure(tmp_dirs: Sequence[str]) -> _Exposure:
         binds.append(path)
     top = sorted(c for c in covers if not any(_inside(c, other) for other in covers))
     return _Exposure(tuple(top), tuple(sorted(binds)))
+
+
+def _hidden_by_temp_dir(path: str, tmp_dirs: Sequence[str]) -> str | None:
+    """The entry of a temp dir that holds ``path`` (``/tmp/clone`` for ``/tmp/clone/.venv``):
+    the sandbox mounts a fresh tmpfs over every temp dir, so it must be exposed again."""
+    for tmp in tmp_dirs:
+        if path == tmp or _inside(path, tmp):
+            first = os.path.relpath(path, tmp).split(os.sep)[0]
+            return os.path.join(tmp, first) if first != "." else None
+    return None
 
 
 def _interpreter_dirs() -> list[str]:
