@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from atgrpo.advantage import AdvantageScale, AdvantageSettings, Grouping, StdKind
+from atgrpo.generation import HFGenerator
 from atgrpo.loss import OldLogprobs
+from atgrpo.records import Sample
 
 # The rest of atgrpo.update.UpdateSettings, as the default config sets it.
 UPDATE_DEFAULTS: dict[str, Any] = {
@@ -37,3 +41,26 @@ def adv_settings(
     local_weight: float = 1.0,
 ) -> AdvantageSettings:
     return AdvantageSettings(grouping, scale, std, eps, alpha, local_weight)
+
+
+def mixed_batch(policy: Any, policy_id: str = "shared", flip: bool = False) -> list[Sample]:
+    """Seven samples of ``policy`` over three prompts of different lengths, advantages of both
+    signs (negated with ``flip``): a batch whose shards and micro-batches differ in shape."""
+    tok = policy.tokenizer
+    torch.manual_seed(0)
+    engine = HFGenerator(policy.model, tok, share_prefill=True)
+    policy.activate()
+    samples = []
+    for i, text in enumerate(["Moves?", "Where is the goal, planner?", "Go"]):
+        prompt = tok(text, add_special_tokens=False)["input_ids"]
+        n = 3 if i < 2 else 1
+        gens = engine.generate(
+            [prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0, top_k=0, top_p=1.0
+        )
+        for k, g in enumerate(gens):
+            advantage = ((k - 1) * 0.7 + 0.2 * i) * (-1.0 if flip else 1.0)
+            samples.append(
+                Sample(i, i, "planner", 0, k, policy_id, prompt, g.token_ids, g.logprobs,
+                       0.0, 0.0, 0.0, True, advantage=advantage)
+            )  # fmt: skip
+    return samples

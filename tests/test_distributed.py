@@ -48,14 +48,12 @@ from atgrpo.envs import (
     SudokuEnv,
 )
 from atgrpo.envs.puzzle import PuzzleEnv
-from atgrpo.generation import HFGenerator
 from atgrpo.loss import LossAggregation
 from atgrpo.policies import build_policy
-from atgrpo.records import Sample
 from atgrpo.train import train
 from atgrpo.update import DataParallel, UpdateSettings, ppo_update
 from conftest import REPO
-from helpers import UPDATE_DEFAULTS
+from helpers import UPDATE_DEFAULTS, mixed_batch
 
 PER_ROLE = REPO / "configs" / "tiny-per_role.yaml"
 TINY = REPO / "configs" / "tiny.yaml"
@@ -235,26 +233,6 @@ def test_env_workers_on_two_nodes_match_the_in_process_run(
     assert not ray.is_initialized()  # the env workers went with the run's connection
 
 
-def _batch(policy: Any) -> list[Sample]:
-    """Seven samples of three prompts of different lengths, advantages of both signs."""
-    tok = policy.tokenizer
-    torch.manual_seed(0)
-    engine = HFGenerator(policy.model, tok, share_prefill=True)
-    samples = []
-    for i, text in enumerate(["Moves?", "Where is the goal, planner?", "Go"]):
-        prompt = tok(text, add_special_tokens=False)["input_ids"]
-        n = 3 if i < 2 else 1
-        gens = engine.generate(
-            [prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0, top_k=0, top_p=1.0
-        )
-        for k, g in enumerate(gens):
-            samples.append(
-                Sample(i, i, "planner", 0, k, "shared", prompt, g.token_ids, g.logprobs,
-                       0.0, 0.0, 0.0, True, advantage=(k - 1) * 0.7 + 0.2 * i)
-            )  # fmt: skip
-    return samples
-
-
 @pytest.mark.scale
 def test_two_rank_gloo_update_equals_the_single_process_step(
     ray: Any, two_nodes: Any, tmp_path: Path
@@ -278,7 +256,7 @@ def test_two_rank_gloo_update_equals_the_single_process_step(
         1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0, **UPDATE_DEFAULTS
     )
     policy = build_policy(cfg)
-    samples = _batch(policy)
+    samples = mixed_batch(policy)
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     want = ppo_update(policy, samples, settings)
     assert not want.skipped
@@ -409,7 +387,7 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path) -> None:
         1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0, **UPDATE_DEFAULTS
     )
     single, ranks = build_policy(cfg), [build_policy(cfg), build_policy(cfg)]
-    samples = _batch(single)
+    samples = mixed_batch(single)
     want = ppo_update(single, samples, settings)
     world = ThreadRanks(2)
     shards = [samples[0::2], samples[1::2]]  # 4 and 3 samples: 2 micro-batches each

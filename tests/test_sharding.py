@@ -26,16 +26,14 @@ import torch
 
 from atgrpo.checkpoint import restore_policy_state
 from atgrpo.config import ConfigError, load_config
-from atgrpo.generation import HFGenerator
 from atgrpo.loss import LossAggregation
 from atgrpo.models import load_model, prepare_tiny_model
 from atgrpo.policies import build_policies, build_policy
-from atgrpo.records import Sample
 from atgrpo.sharding import decoder_layers
 from atgrpo.train import train
 from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
 from conftest import REPO
-from helpers import UPDATE_DEFAULTS
+from helpers import UPDATE_DEFAULTS, mixed_batch
 
 TINY = REPO / "configs" / "tiny.yaml"
 LORA = REPO / "configs" / "tiny-lora.yaml"
@@ -109,28 +107,6 @@ def _settings(kl: float) -> UpdateSettings:
     return UpdateSettings(1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, kl, 0.01, 3, 1.0, **defaults)
 
 
-def _batch(policy: Any, policy_id: str = "shared", flip: bool = False) -> list[Sample]:
-    """Seven samples of three prompts of different lengths, advantages of both signs."""
-    tok = policy.tokenizer
-    torch.manual_seed(0)
-    engine = HFGenerator(policy.model, tok, share_prefill=True)
-    policy.activate()
-    samples = []
-    for i, text in enumerate(["Moves?", "Where is the goal, planner?", "Go"]):
-        prompt = tok(text, add_special_tokens=False)["input_ids"]
-        n = 3 if i < 2 else 1
-        gens = engine.generate(
-            [prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0, top_k=0, top_p=1.0
-        )
-        for k, g in enumerate(gens):
-            advantage = ((k - 1) * 0.7 + 0.2 * i) * (-1.0 if flip else 1.0)
-            samples.append(
-                Sample(i, i, "planner", 0, k, policy_id, prompt, g.token_ids, g.logprobs,
-                       0.0, 0.0, 0.0, True, advantage=advantage)
-            )  # fmt: skip
-    return samples
-
-
 def _assert_same_stats(got: UpdateStats, want: UpdateStats) -> None:
     assert not want.skipped and not got.skipped
     assert (got.num_samples, got.num_tokens) == (want.num_samples, want.num_tokens)
@@ -158,7 +134,7 @@ def test_sharded_ranks_take_the_single_process_step_and_resume_on_two_ranks_and_
     cfg = _sharded(TINY, tmp_path, two_nodes, "shared", "algo.kl_coef=0.05")
     settings = _settings(kl=0.05)
     policy = build_policy(cfg)
-    first, second = _batch(policy), _batch(policy, flip=True)
+    first, second = mixed_batch(policy), mixed_batch(policy, flip=True)
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     want = ppo_update(policy, first, settings)
     checkpoint = tmp_path / "step-1"
@@ -211,7 +187,7 @@ def test_lora_adapters_on_a_sharded_base_take_the_single_process_step(
     settings = _settings(kl=0.0)
     torch.manual_seed(cfg.run.seed)  # as the driver and every worker seed: adapters start alike
     local = build_policies(cfg)
-    batch = _batch(local["tool"], "tool")
+    batch = mixed_batch(local["tool"], "tool")
     want = ppo_update(local["tool"], batch, settings)
     remote = start_ray_policies(cfg)
     try:
