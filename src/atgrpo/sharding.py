@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,13 +140,16 @@ def _rollout_copy(model: Any, device: torch.device, dtype: torch.dtype | None) -
     return copy.deepcopy(model, memo).requires_grad_(False)
 
 
+Rebuild = Callable[[Policy, list[torch.nn.Parameter]], Policy]
+
+
 def shard_policies(
-    policies: dict[str, Policy], rebuild: Any, world_size: int
+    policies: dict[str, Policy], rebuild: Rebuild, world_size: int
 ) -> dict[str, ShardedPolicy]:
     """Shard every model of ``policies`` over the ``world_size`` ranks of the default group.
 
     ``rebuild(policy, params)`` returns the policy with a new optimizer and LR schedule over
-    ``params`` (:func:`atgrpo.policies.rebuild_optimizer`): the parameters are new objects after
+    ``params`` (:func:`atgrpo.policies.with_params`): the parameters are new objects after
     sharding. LoRA policies on one base share its one sharded model and one rollout copy.
     """
     first = next(iter(policies.values()))
