@@ -30,6 +30,7 @@ and :func:`discard_after` sets aside what lies past the step a run resumes from.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -93,6 +94,13 @@ def _fsync_dir(path: Path) -> None:
 PolicySaver = Callable[[Path], str]  # writes one policy's folder; returns its kind
 
 
+def save_torch(obj: Any, path: Path) -> None:
+    """``torch.save`` into a file closed on every exit: when the disk fills up, torch's writer
+    raises but would keep the file open, and its space taken, as long as the error lives."""
+    with path.open("wb") as f:
+        torch.save(obj, f)
+
+
 def save_policy(policy: Policy, out: Path) -> str:
     """``policy-<id>/``: weights (or the adapter alone), tokenizer, optimizer and scheduler.
 
@@ -101,7 +109,7 @@ def save_policy(policy: Policy, out: Path) -> str:
     """
     _save_weights(policy, out, staging=out.parent / f".adapter-{policy.policy_id}")
     policy.tokenizer.save_pretrained(out)
-    torch.save(
+    save_torch(
         {"optimizer": policy.optimizer.state_dict(), "scheduler": policy.scheduler.state_dict()},
         out / "optim.pt",
     )
@@ -135,28 +143,54 @@ def write_checkpoint(
     final = checkpoint_path(run_dir, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        kinds = {}
-        for pid, save in savers.items():
-            kinds[pid] = save(tmp / f"policy-{pid}")
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, tmp / "rng.pt")
-        trainer_state = {"step": step, "policies": kinds, **state}
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        _write_manifest(tmp)
+        _write_into(tmp, step, savers, state)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
+    except (OSError, RuntimeError) as exc:
+        full = _as_disk_full(exc, root)
+        if full is None:
+            raise
+        raise full from exc
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+_LOW_DISK_BYTES = 64 << 20  # less free than this after a failed write: the disk filled up
+
+
+def _as_disk_full(exc: OSError | RuntimeError, folder: Path) -> OSError | None:
+    """ENOSPC when a write into ``folder`` failed on a (nearly) full disk, else None: torch's
+    writer reports a full disk as a RuntimeError about its zip stream ("unexpected pos")."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return None  # it says what it is (ENOSPC included)
+    free = shutil.disk_usage(folder).free
+    if free >= _LOW_DISK_BYTES:
+        return None
+    return OSError(errno.ENOSPC, f"No space left on device ({free >> 20} MiB free)", str(folder))
+
+
+def _write_into(
+    tmp: Path, step: int, savers: Mapping[str, PolicySaver], state: dict[str, Any]
+) -> None:
+    """Every file of the checkpoint into ``tmp``, flushed, with its manifest."""
+    kinds = {}
+    for pid, save in savers.items():
+        kinds[pid] = save(tmp / f"policy-{pid}")
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    save_torch(rng, tmp / "rng.pt")
+    trainer_state = {"step": step, "policies": kinds, **state}
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    _write_manifest(tmp)
 
 
 def commit_checkpoint(run_dir: Path, folder: Path, keep: int) -> None:

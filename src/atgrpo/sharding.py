@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from atgrpo.checkpoint import SHARDED_DIR, save_full_weights
+from atgrpo.checkpoint import SHARDED_DIR, save_full_weights, save_torch
 from atgrpo.policies import Policy
 
 SCHEDULER_FILE = "scheduler.pt"  # beside it: the LR schedule (rank 0)
@@ -231,7 +231,7 @@ def save_sharded(policy: Policy, out: Path, rank: int) -> str:
     if rank == 0:
         save_full_weights(policy, out, full)
         policy.tokenizer.save_pretrained(out)
-        torch.save({"scheduler": policy.scheduler.state_dict()}, out / SCHEDULER_FILE)
+        save_torch({"scheduler": policy.scheduler.state_dict()}, out / SCHEDULER_FILE)
     del full
     dist.barrier()  # the folder exists before the shards go in
     model_sd, optim_sd = _trainable_state(policy)
