@@ -262,12 +262,10 @@ def _update(
     policy.optimizer.zero_grad(set_to_none=True)
     acc = _Accumulator()
     norm = _Normalisers(num_tokens, num_seqs)
-    if group is not None and group.sharded:
-        _backward_in_step(policy, computed, settings, norm, acc, group)
-    elif settings.share_prefix:
+    if settings.share_prefix and not (group is not None and group.sharded):
         _backward_shared(policy, computed, settings, norm, acc)
     else:
-        _backward_unshared(policy, computed, settings, norm, acc)
+        _backward_unshared(policy, computed, settings, norm, acc, group)
     if group is not None:  # every rank reaches here, so every rank decides alike
         summed = [] if group.sharded else policy.params  # FSDP2 reduce-scattered them
         acc.sum_over_ranks(group.all_reduce, summed)
@@ -318,42 +316,24 @@ def _backward_unshared(
     settings: UpdateSettings,
     norm: _Normalisers,
     acc: _Accumulator,
+    group: DataParallel | None = None,
 ) -> None:
-    """Micro-batches of whole sequences, each prompt left-padded and recomputed."""
-    device = next(policy.model.parameters()).device
-    for chunk in _micro_batches(computed, settings.micro_batch_size):
-        batch = collate(chunk, policy.tokenizer.pad_token_id).to(device)
-        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
-        loss = _loss(policy, logits, batch.responses, settings, norm, full_rows=_given(batch))
-        if not _backward(loss, acc):
-            return
-
-
-def _backward_in_step(
-    policy: Policy,
-    computed: list[Sample],
-    settings: UpdateSettings,
-    norm: _Normalisers,
-    acc: _Accumulator,
-    group: DataParallel,
-) -> None:
-    """Sharded ranks: the group's largest number of micro-batches on every rank (docstring)."""
+    """Micro-batches of whole sequences, each prompt left-padded and recomputed. The ranks of a
+    sharded group run the group's largest number of micro-batches (module docstring)."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
     chunks = _micro_batches(computed, settings.micro_batch_size)
-    for i in range(group.max(len(chunks))):
+    in_step = group is not None and group.sharded
+    passes = group.max(len(chunks)) if group is not None and in_step else len(chunks)
+    for i in range(passes):
         real = i < len(chunks)
         batch = collate(chunks[i] if real else [_placeholder(policy)], pad_id).to(device)
-        logits = response_logits(policy.model, batch, policy.autocast_dtype)
-        out, gap = _loss(policy, logits, batch.responses, settings, norm, full_rows=_given(batch))
+        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
+        loss = _loss(policy, logits, batch.responses, settings, norm, full_rows=_given(batch))
         if not real:
-            (out.loss * 0.0).backward()  # the collectives of a pass, a zero gradient
-            continue
-        finite = bool(torch.isfinite(out.loss))
-        out.loss.backward()  # also when not finite: the other ranks wait for its collectives
-        if finite and acc.finite:
-            acc.add(out, gap)
-        acc.finite = acc.finite and finite
+            (loss[0].loss * 0.0).backward()  # the collectives of a pass, a zero gradient
+        elif not _backward(loss, acc, always=in_step) and not in_step:
+            return
 
 
 def _placeholder(policy: Policy) -> Sample:
@@ -387,11 +367,14 @@ def _backward_shared(
         prompt.backward()
 
 
-def _backward(result: tuple[LossOutput, _Gap], acc: _Accumulator) -> bool:
-    """Back-propagate one micro-batch's loss; False (and nothing done) when it is not finite."""
+def _backward(result: tuple[LossOutput, _Gap], acc: _Accumulator, always: bool = False) -> bool:
+    """Back-propagate one micro-batch's loss; False when it is not finite, and then nothing
+    done unless ``always`` (a sharded rank: the other ranks wait for its collectives)."""
     out, gap = result
     if not torch.isfinite(out.loss):
         acc.finite = False
+        if always:
+            out.loss.backward()
         return False
     out.loss.backward()
     acc.add(out, gap)

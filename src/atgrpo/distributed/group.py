@@ -103,7 +103,6 @@ class RemoteGenerator:
 
     def __init__(self, group: PolicyGroup, policy_id: str) -> None:
         self.group, self.policy_id = group, policy_id
-        self.last_sync_s = 0.0  # the slowest rank's last sync_weights
 
     def generate(
         self,
@@ -132,8 +131,7 @@ class RemoteGenerator:
     def sync_weights(self) -> None:
         """Every rank's engine samples from its new weights (a no-op for the HF engine unless
         sharded: then every rank gathers the new weights into its rollout copy)."""
-        seconds = get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
-        self.last_sync_s = max(float(s) for s in seconds)
+        get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
 
 
 class RemoteLearner:

@@ -22,7 +22,6 @@ import functools
 import gc
 import hashlib
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -152,13 +151,11 @@ class PolicyWorker:
         torch.set_rng_state(rng_state)  # dropout, if any, draws as the driver's process would
         return ppo_update(self.policies[policy_id], samples, settings, self.group)
 
-    def sync_weights(self, policy_id: str) -> float:
-        """The rollout engine samples from the new weights; returns the sync's wall time."""
-        start = time.perf_counter()
+    def sync_weights(self, policy_id: str) -> None:
+        """The rollout engine samples from the new weights (timed by the driver: perf/sync_s)."""
         if policy_id in self.shards:  # a collective: every rank gathers the same tensors
             self.shards[policy_id].sync_rollout()
         self.generators[policy_id].sync_weights()
-        return time.perf_counter() - start
 
     def last_lr(self, policy_id: str) -> float:
         return float(self.policies[policy_id].scheduler.get_last_lr()[0])
