@@ -28,11 +28,8 @@ from atgrpo.data.code import (
     load_code_dataset,
     load_humaneval,
     load_livecodebench,
-    outputs_match,
-    pass_rate,
-    run_test_batches,
-    run_tests,
 )
+from atgrpo.data.judge import outputs_match, pass_rate, run_test_batches, run_tests
 from atgrpo.sandbox import SandboxLimits
 from atgrpo.splits import Split
 

@@ -1,4 +1,4 @@
-"""Code-generation benchmarks as typed problems, their splits, and judging solutions in the sandbox.
+"""Code-generation benchmarks as typed problems and their splits.
 
 Datasets (docs/datasets-code.md says where to get each and its licence):
 
@@ -12,7 +12,7 @@ Datasets (docs/datasets-code.md says where to get each and its licence):
 Problem styles:
 
 * ``stdio``: the program reads stdin and prints to stdout; a test is an :class:`IOTest` and
-  passes when the printed output matches (:func:`outputs_match`).
+  passes when the printed output matches (:func:`atgrpo.data.judge.outputs_match`).
 * ``function``: the program defines a callable; a test is a :class:`CheckTest`, a program appended
   to the solution that raises (an ``assert``) when the solution is wrong. HumanEval's test is its
   ``check(candidate)`` function followed by ``check(<entry point>)``; APPS call-based and
@@ -27,9 +27,7 @@ Splits (invariant 5 of docs/design.md) are decided here, in :func:`load_code_dat
   split of higher priority (test > validation > train) is dropped from the lower one, so no
   problem is both trained and tested on.
 
-Judging: :func:`run_tests` / :func:`run_test_batches` run every (solution, test) pair as its own
-program through :func:`atgrpo.sandbox.run_many`; a crash, timeout or wrong output is a failed
-test, never an exception.
+Judging a solution on these tests in the sandbox is :mod:`atgrpo.data.judge`.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ import gzip
 import importlib.resources
 import io
 import json
-import math
 import pickle
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,7 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from atgrpo import sandbox
 from atgrpo.data.base import DatasetError
 from atgrpo.splits import Split, split_of
 
@@ -62,16 +58,6 @@ HUMANEVAL_RESOURCE = "data/HumanEval.jsonl.gz"
 # sandbox runs Python 3, so only PYTHON3 solutions become references.
 CODE_CONTESTS_PYTHON3 = 3
 MAX_REFERENCES = 3  # reference solutions kept per problem
-# Prepended to function-style programs: LeetCode-style starter code uses `List`, `Optional`, ...
-# without importing them (LiveCodeBench's own harness prepends a similar import block).
-FUNCTION_PREAMBLE = (
-    "from typing import *\n"
-    "import bisect, collections, functools, heapq, itertools, math, re, string\n"
-)
-# Expected-output tokens with a decimal point match numbers within this tolerance (the usual
-# 1e-6 of judges that accept floating-point answers).
-FLOAT_TOLERANCE = 1e-6
-_OUTPUT_HEADROOM_BYTES = 4096  # stdout read back beyond the longest expected output
 
 
 class CodeDatasetError(DatasetError):
@@ -602,112 +588,6 @@ def load_code_dataset(
         return problems
 
     return CodeDataset(name.value, {s: select(ps) for s, ps in splits.items()})
-
-
-# ---------------------------------------------------------------------------------------------
-# Judging solutions in the sandbox
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TestResult:
-    """One test of one solution."""
-
-    __test__ = False  # not a pytest class
-
-    passed: bool
-    status: str  # a sandbox ExitStatus value
-    stdout: str
-    error: str  # the last line of stderr ("" when none), e.g. "AssertionError: returned 4"
-
-
-def outputs_match(expected: str, actual: str) -> bool:
-    """Whitespace-normalised comparison: the same tokens in the same order; a token of
-    ``expected`` with a decimal point also matches a number within ``FLOAT_TOLERANCE``."""
-    exp, got = expected.split(), actual.split()
-    if exp == got:
-        return True
-    if len(exp) != len(got):
-        return False
-    return all(e == g or _close(e, g) for e, g in zip(exp, got, strict=True))
-
-
-def _close(expected: str, actual: str) -> bool:
-    if "." not in expected:
-        return False
-    try:
-        e, a = float(expected), float(actual)
-    except ValueError:
-        return False
-    return math.isclose(e, a, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
-
-
-def build_program(solution: str, test: CodeTest) -> tuple[str, str]:
-    """The program and stdin that run ``test`` against ``solution``."""
-    if isinstance(test, IOTest):
-        stdin = test.input if not test.input or test.input.endswith("\n") else test.input + "\n"
-        return solution, stdin
-    return f"{FUNCTION_PREAMBLE}\n{solution}\n\n{test.program}\n", ""
-
-
-def run_test_batches(
-    batches: Sequence[tuple[str, Sequence[CodeTest]]],
-    limits: sandbox.SandboxLimits | None = None,
-    max_workers: int | None = None,
-) -> list[list[TestResult]]:
-    """Run each (solution, tests) pair's tests, all in one :func:`sandbox.run_many` call.
-
-    Each test is its own sandboxed program. stdout is read back to at least twice the longest
-    expected output, so a correct long answer is not cut short.
-    """
-    limits = limits or sandbox.SandboxLimits()
-    programs: list[tuple[str, str]] = []
-    longest = 0
-    for solution, tests in batches:
-        for test in tests:
-            programs.append(build_program(solution, test))
-            if isinstance(test, IOTest):
-                longest = max(longest, len(test.output.encode("utf-8", errors="replace")))
-    need = 2 * longest + _OUTPUT_HEADROOM_BYTES
-    if need > limits.max_output_bytes:
-        file_mb = max(limits.file_size_mb, math.ceil(need / (1 << 20)))
-        limits = dataclasses.replace(limits, max_output_bytes=need, file_size_mb=file_mb)
-    results = sandbox.run_many(
-        [code for code, _ in programs],
-        limits,
-        max_workers=max_workers,
-        stdins=[stdin for _, stdin in programs],
-    )
-    out: list[list[TestResult]] = []
-    it = iter(results)
-    for _, tests in batches:
-        out.append([_judge(test, next(it)) for test in tests])
-    return out
-
-
-def run_tests(
-    solution: str,
-    tests: Sequence[CodeTest],
-    limits: sandbox.SandboxLimits | None = None,
-    max_workers: int | None = None,
-) -> list[TestResult]:
-    """Run ``tests`` against ``solution``; one :class:`TestResult` per test, in order."""
-    return run_test_batches([(solution, tests)], limits, max_workers)[0]
-
-
-def _judge(test: CodeTest, result: sandbox.SandboxResult) -> TestResult:
-    lines = result.stderr.strip().splitlines()
-    error = lines[-1][:300] if lines else ""
-    if result.ok and isinstance(test, IOTest):
-        passed = not result.truncated and outputs_match(test.output, result.stdout)
-    else:
-        passed = result.ok
-    return TestResult(passed, result.status.value, result.stdout, error)
-
-
-def pass_rate(results: Sequence[TestResult]) -> float:
-    """Share of passed tests (0.0 for no tests)."""
-    return sum(r.passed for r in results) / len(results) if results else 0.0
 
 
 @functools.lru_cache(maxsize=8)

@@ -156,7 +156,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _field(row: dict[str, Any], name: str, where: str) -> Any:
+def _nonempty_field(row: dict[str, Any], name: str, where: str) -> Any:
     value = row.get(name)
     if value is None or value == "" or value == []:
         raise MathDatasetError(f"{where}: no {name!r} field (fields: {sorted(row)[:12]})")
@@ -185,8 +185,8 @@ def load_mmath(benchmark: Benchmark, path: str | Path | None = None) -> list[Mat
         problems.append(
             MathProblem(
                 id=f"{benchmark.value}/{native_id}",
-                question=str(_field(row, "question", where)),
-                answer=_answer_text(_field(row, "answer", where)),
+                question=str(_nonempty_field(row, "question", where)),
+                answer=_answer_text(_nonempty_field(row, "answer", where)),
                 source=benchmark.value,
             )
         )
@@ -204,10 +204,13 @@ def load_gsm8k(path: str | Path | None = None) -> list[MathProblem]:
     for i, row in enumerate(read_rows(file)):
         where = f"{file} row {i}"
         if "expected" in row:
-            question, answer = _field(row, "prompt", where), _field(row, "expected", where)
+            question, answer = (
+                _nonempty_field(row, "prompt", where),
+                _nonempty_field(row, "expected", where),
+            )
         else:
-            question = _field(row, "question", where)
-            answer = str(_field(row, "answer", where)).rpartition("####")[2]
+            question = _nonempty_field(row, "question", where)
+            answer = str(_nonempty_field(row, "answer", where)).rpartition("####")[2]
         native_id = row.get("id", f"test-{i}")
         problems.append(
             MathProblem(
@@ -237,8 +240,8 @@ def load_local(
         problems.append(
             MathProblem(
                 id=f"{source}/{native_id}",
-                question=str(_field(row, question_field, where)),
-                answer=_answer_text(_field(row, answer_field, where)),
+                question=str(_nonempty_field(row, question_field, where)),
+                answer=_answer_text(_nonempty_field(row, answer_field, where)),
                 source=source,
             )
         )
@@ -261,7 +264,7 @@ def load_olympiadbench(path: str | Path) -> list[MathProblem]:
             raise MathDatasetError(
                 f"{where}: no final_answer (a theorem-proving subset?); use an OE_TO_* subset"
             )
-        question = str(_field(row, "question", where))
+        question = str(_nonempty_field(row, "question", where))
         if context := row.get("context"):
             question = f"{context}\n\n{question}"
         problems.append(

@@ -7,7 +7,7 @@ from atgrpo.envs.checker import EnvCheckError, check_env
 from atgrpo.envs.code import CodeConfig, CodeEnv
 from atgrpo.envs.math import MathConfig, MathEnv
 from atgrpo.envs.plan_path import PLAN_PATH, PlanPathConfig, PlanPathEnv, PlanPathPuzzle
-from atgrpo.envs.puzzle import Effect, Puzzle, PuzzleConfig, PuzzleEnv, PuzzleSpec, WorkflowKind
+from atgrpo.envs.puzzle import Effect, Puzzle, PuzzleConfig, PuzzleEnv, PuzzleSpec
 from atgrpo.envs.registry import (
     BUILTIN_ENVS,
     ENV_REGISTRY,
@@ -22,6 +22,7 @@ from atgrpo.envs.registry import (
 )
 from atgrpo.envs.sokoban import SOKOBAN, SokobanConfig, SokobanEnv, SokobanPuzzle
 from atgrpo.envs.sudoku import SUDOKU, SudokuConfig, SudokuEnv, SudokuPuzzle
+from atgrpo.envs.tool import WorkflowKind
 from atgrpo.splits import Split, split_of, split_seeds
 
 __all__ = [

@@ -15,6 +15,8 @@ Modelled on PettingZoo's turn-based (AEC) API so that users recognise it:
 
 The turn order of roles, the number of turns and the termination rule are data (a
 :class:`Workflow`), so one env class runs as a single agent or as a multi-agent system.
+:class:`TurnBasedEnv` is the template the built-in envs (and yours, if you like) subclass;
+:class:`FamilyConfig` is the base of the built-in families' config models.
 """
 
 from __future__ import annotations
@@ -22,11 +24,26 @@ from __future__ import annotations
 import copy
 import random
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from atgrpo.splits import SEED_RANGES, Split
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
+InstanceT = TypeVar("InstanceT")  # one task of an env family (a problem, a puzzle state)
+
+
+class FamilyConfig(BaseModel):
+    """What every built-in env family's config shares: its ``name`` and no unknown keys.
+
+    A family's config subclasses this and narrows ``name`` to a ``Literal`` (the ``env``
+    section's union is told apart by it); the redeclared ``name`` keeps the first place.
+    """
+
+    model_config = ConfigDict(extra="forbid")  # a mistyped key fails at load time
+
+    name: str = Field(description="The env family; each family narrows it to a Literal.")
 
 
 @dataclass(frozen=True)
@@ -121,20 +138,34 @@ class MultiAgentEnv(Protocol):
         ...
 
 
-class TurnBasedEnv:
-    """The turn template shared by envs: turn order, turn counter, terminations, truncations,
-    infos and primed answers.
+class TurnBasedEnv(Generic[InstanceT]):
+    """The turn template shared by envs: the episode's task, turn order, turn counter,
+    terminations, truncations, infos and primed answers.
 
     A concrete env subclasses this (one level) and writes only its own parts:
 
-    * ``reset(seed=, options=)`` draws the task and calls :meth:`_start_episode`
-      (:meth:`_split_option` and :meth:`_seed_or_random` read its arguments);
+    * its tasks, by two hooks: ``_draw_instance(seed, split)`` returns the task instance of
+      ``seed`` in ``split`` (deterministic in the seed; splits never share an instance), and
+      ``_begin(instance)`` checks an instance (a ValueError for one that cannot start) and
+      clears the env's own per-episode state. :meth:`reset` reads its arguments, draws the
+      instance and starts on it with :meth:`reset_to`, which also starts an episode on a
+      hand-made instance (tests). ``InstanceT`` is the instance's type; the family exposes the
+      current one under its own name (``problem``, ``puzzle``), from :attr:`_current_instance`,
+      and its ``instance_key`` (evaluation counts each distinct key once). An env may override
+      ``reset`` instead (examples/guess_env.py): it reads its arguments with
+      :meth:`_split_option` and :meth:`_seed_or_random`, sets ``_seed`` and ``_split`` and calls
+      :meth:`_start_episode`;
     * ``_prompt(agent_id)``: the agent's chat messages (system and user) in the current state;
     * ``_act(agent_id, text)``: apply ``text``, the agent's answer prefix followed by its
       completion, and return its :class:`StepOutcome` and whether the task is over (solved or
       failed for good); it never raises on a malformed text;
     * ``answer_prefix(agent_id)`` (optional, default ``""``): the primed start of the answer;
     * the ``success`` property (strict; a timeout is never success).
+
+    ``num_instances(split)`` is None here (a split of unknown size: generated instances);
+    a dataset's env returns the split's size. ``instance_key`` is not defined here: evaluation
+    reads it with ``getattr`` and counts each seed as a task of its own for an env without
+    one, so each family defines it for its instances.
 
     :meth:`step` refuses a finished episode, joins prefix and completion, records the outcome's
     info in ``infos``, and hands the turn to the next agent, ending the episode when the task is
@@ -157,6 +188,48 @@ class TurnBasedEnv:
         self.infos: dict[str, dict[str, Any]] = {a: {} for a in workflow.agents}
         self._seed: int | None = None
         self._split = Split.TRAIN
+        self._instance: InstanceT | None = None  # the current episode's task
+
+    # -- the task -----------------------------------------------------------------------------
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
+        """Start an episode on ``_draw_instance(seed, split)``, the split being
+        ``options["split"]`` (default train); ``seed=None`` draws a fresh random seed."""
+        split = self._split_option(options)
+        seed = self._seed_or_random(seed, split)
+        self.reset_to(self._draw_instance(seed, split))
+        self._seed, self._split = seed, split
+
+    def reset_to(self, instance: InstanceT) -> None:
+        """Start an episode on a given instance (hand-made tasks, tests); its seed is None."""
+        self._begin(instance)  # first: it may refuse the instance before anything changes
+        self._seed = None
+        self._instance = instance
+        self._start_episode()
+
+    def _draw_instance(self, seed: int, split: Split) -> InstanceT:
+        """The task instance of ``seed`` in ``split``, the same for the same arguments."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _draw_instance(seed, split) or override reset()"
+        )
+
+    def _begin(self, instance: InstanceT) -> None:
+        """Check ``instance`` and clear the env's own state for a new episode on it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _begin(instance) or override reset()"
+        )
+
+    @property
+    def _current_instance(self) -> InstanceT:
+        """The current episode's instance; a RuntimeError before the first reset."""
+        if self._instance is None:
+            raise RuntimeError("no episode yet: call reset() first")
+        return self._instance
+
+    def num_instances(self, split: Split | str) -> int | None:
+        """None: the instances of a split are generated, so it has no known size (a small
+        space may still hold few distinct ones; evaluation deduplicates by ``instance_key``)."""
+        return None
 
     # -- the template -----------------------------------------------------------------------
 

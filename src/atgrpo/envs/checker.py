@@ -90,7 +90,7 @@ def _require(condition: bool, message: str) -> None:
         raise EnvCheckError(message)
 
 
-def _short(action: str) -> str:
+def _brief(action: str) -> str:
     return repr(action[:40]) + (f"... ({len(action)} chars)" if len(action) > 40 else "")
 
 
@@ -166,18 +166,18 @@ def _check_step(env: MultiAgentEnv, action: str, where: str) -> StepOutcome:
         outcome = env.step(action)
     except Exception as exc:  # the check's whole point: report which action broke the env
         raise EnvCheckError(
-            f"{where}: step({_short(action)}) by {env.agent_selection!r} raised "
+            f"{where}: step({_brief(action)}) by {env.agent_selection!r} raised "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     _require(
         isinstance(outcome, StepOutcome),
-        f"{where}: step({_short(action)}) returned {type(outcome).__name__}, not StepOutcome",
+        f"{where}: step({_brief(action)}) returned {type(outcome).__name__}, not StepOutcome",
     )
     for name in ("team_reward", "local_reward"):
         value = getattr(outcome, name)
         _require(
             isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
-            f"{where}: step({_short(action)}) gave a non-finite or non-numeric {name}: {value!r}",
+            f"{where}: step({_brief(action)}) gave a non-finite or non-numeric {name}: {value!r}",
         )
     _require(isinstance(outcome.valid, bool), f"{where}: StepOutcome.valid must be a bool")
     try:
@@ -195,15 +195,15 @@ def _check_action_on_clone(env: MultiAgentEnv, action: str, where: str) -> StepO
         f"{where}: clone() is not a faithful copy (observations or flags differ)",
     )
     outcome = _check_step(branch, action, where)
-    _check_state(branch, f"{where}, after step({_short(action)}) on a clone")
+    _check_state(branch, f"{where}, after step({_brief(action)}) on a clone")
     _require(
         _snapshot(env) == before,
-        f"{where}: clone is not independent: stepping a clone with {_short(action)} changed the "
+        f"{where}: clone is not independent: stepping a clone with {_brief(action)} changed the "
         f"original's observations, agent_selection, turn_idx, flags or infos",
     )
     _require(
         _snapshot(sibling) == before,
-        f"{where}: clone is not independent: stepping a clone with {_short(action)} changed a "
+        f"{where}: clone is not independent: stepping a clone with {_brief(action)} changed a "
         f"sibling clone",
     )
     return outcome

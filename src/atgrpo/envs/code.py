@@ -53,7 +53,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from atgrpo import sandbox
 from atgrpo.data.code import (
@@ -64,12 +64,10 @@ from atgrpo.data.code import (
     CodeTest,
     IOTest,
     ProblemStyle,
-    TestResult,
     cached_dataset,
-    pass_rate,
-    run_test_batches,
 )
-from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
+from atgrpo.data.judge import TestResult, pass_rate, run_test_batches
+from atgrpo.envs.base import FamilyConfig, Message, StepOutcome, TurnBasedEnv, Workflow
 from atgrpo.parsing import extract_code, without_surrogates
 from atgrpo.splits import Split
 
@@ -94,10 +92,8 @@ class CodeWorkflow(enum.StrEnum):
     SINGLE = "single"  # coder alone
 
 
-class CodeConfig(BaseModel):
+class CodeConfig(FamilyConfig):
     """Code-generation task, data and reward parameters."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: Literal["code"] = "code"
     workflow: CodeWorkflow = Field(
@@ -302,7 +298,7 @@ class TestRun:
         return sum(r.passed for r in self.results or ())
 
 
-class CodeEnv(TurnBasedEnv):
+class CodeEnv(TurnBasedEnv[CodeProblem]):
     """Code generation as a multi-agent env (coder -> tester) or a single agent (coder).
 
     Rewards, answer formats and termination are in the module docstring.
@@ -320,7 +316,6 @@ class CodeEnv(TurnBasedEnv):
         defers = (TESTER,) if mas else ()  # tests inform the next solution, change no s*
         super().__init__(Workflow(name, agents, self.config.max_turns, defers_team=defers))
         self.config.load_dataset()  # read, or fail, now rather than at the first reset
-        self._problem: CodeProblem | None = None
         self._solution: str | None = None  # s*, the current solution
         self._solution_correct = False  # s* passes every ground-truth test
         self._coder_parsed = True  # the coder's last answer had a code block
@@ -335,34 +330,24 @@ class CodeEnv(TurnBasedEnv):
 
     # -- episode -------------------------------------------------------------------------------
 
-    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
-        """Problem number ``seed % len(split)`` of ``options["split"]`` (default train).
+    def _draw_instance(self, seed: int, split: Split) -> CodeProblem:
+        """Problem number ``seed % len(split)`` of ``split``.
 
         The splits are disjoint by content (decided in :func:`atgrpo.data.code.load_code_dataset`).
-        ``seed=None`` draws a fresh random seed.
         """
-        split = self._split_option(options)
-        seed = self._seed_or_random(seed, split)
         problems = self.dataset.problems(split)
-        self.reset_to(problems[seed % len(problems)])
-        self._seed, self._split = seed, split
+        return problems[seed % len(problems)]
 
-    def reset_to(self, problem: CodeProblem) -> None:
-        """Start an episode on a given problem (hand-made tasks, tests)."""
-        self._seed = None
-        self._problem = problem
+    def _begin(self, instance: CodeProblem) -> None:
         self._solution = None
         self._solution_correct = False
         self._coder_parsed = True
         self._feedback = None
         self._history = []
-        self._start_episode()
 
     @property
     def problem(self) -> CodeProblem:
-        if self._problem is None:
-            raise RuntimeError("no episode yet: call reset() first")
-        return self._problem
+        return self._current_instance
 
     @property
     def instance_key(self) -> str:
@@ -378,7 +363,7 @@ class CodeEnv(TurnBasedEnv):
 
     @property
     def success(self) -> bool:
-        return self._problem is not None and self._solution_correct
+        return self._instance is not None and self._solution_correct
 
     # -- step ----------------------------------------------------------------------------------
 

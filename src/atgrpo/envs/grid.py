@@ -1,4 +1,5 @@
-"""Grid geometry shared by the grid puzzles: cells, moves and a Plan-Path maze instance.
+"""Grid geometry shared by the grid puzzles: cells, moves, prompt text and a Plan-Path maze
+instance.
 
 Row 0 is the top row, as grids are printed in prompts, so ``U`` is ``row - 1``.
 """
@@ -6,6 +7,7 @@ Row 0 is the top row, as grids are printed in prompts, so ``U`` is ``row - 1``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,12 +15,28 @@ Cell = tuple[int, int]  # (row, column); row 0 is the top row
 
 # U = row - 1: row 0 is at the top, as the grid is printed. The order fixes the oracles' ties.
 MOVES: dict[str, Cell] = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+MAX_MOVES_SHOWN = 20  # of the previous plan, in later turns
 
 
-def step_cell(cell: Cell, move: str) -> Cell:
-    """The cell one ``move`` (U, D, L, R) away from ``cell``; it may lie off the grid."""
+def step_cell(cell: Cell, move: str, times: int = 1) -> Cell:
+    """The cell ``times`` steps of ``move`` (U, D, L, R) away from ``cell`` (negative ``times``:
+    backwards); it may lie off the grid."""
     dr, dc = MOVES[move]
-    return cell[0] + dr, cell[1] + dc
+    return cell[0] + times * dr, cell[1] + times * dc
+
+
+def numbered_rows(rows: Sequence[str]) -> list[str]:
+    """``rows`` under a line of column numbers (their last digit), each behind its row number,
+    so that a model can read coordinates off the board."""
+    width = len(str(len(rows) - 1))
+    header = " " * (width + 1) + "".join(str(col % 10) for col in range(len(rows[0])))
+    return [header, *(f"{i:>{width}} {row}" for i, row in enumerate(rows))]
+
+
+def shown_moves(moves: Sequence[str]) -> str:
+    """A plan for a later prompt: its first ``MAX_MOVES_SHOWN`` moves, `` ...`` when cut."""
+    more = " ..." if len(moves) > MAX_MOVES_SHOWN else ""
+    return " ".join(moves[:MAX_MOVES_SHOWN]) + more
 
 
 def bfs_distances(size: int, walls: frozenset[Cell], goal: Cell) -> tuple[tuple[int, ...], ...]:

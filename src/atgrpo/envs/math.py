@@ -14,27 +14,32 @@ problems or a local file.
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from atgrpo import sandbox
 from atgrpo.data.math import MathDataConfig, MathProblem, MathSplits, load_splits
 from atgrpo.data.mathcheck import MAX_ANSWER_CHARS, extract_boxed, verify
-from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.envs.puzzle import WorkflowKind
-from atgrpo.parsing import extract_code, without_surrogates
+from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv
+from atgrpo.envs.tool import (
+    MAX_INFO_CHARS,
+    NO_CODE,
+    TOOL,
+    TOOL_PREFIX,
+    ProgramRun,
+    ToolAgentConfig,
+    WorkflowKind,
+    run_tool_program,
+    tool_info,
+    tool_workflow,
+)
+from atgrpo.parsing import without_surrogates
 from atgrpo.splits import SEED_RANGES, Split
 
-TOOL = "tool"
 REASONER = "reasoner"
-TOOL_PREFIX = "```python\n"  # the tool's primed answer: its program
 REASONER_PREFIX = "The final answer is \\boxed{"  # the reasoner's primed answer (no reasoning)
 MAX_ANSWER_CHARS_SHOWN = 100  # of an answer quoted in a later prompt
-MAX_INFO_CHARS = 200  # stdout and answers kept in StepOutcome.info
 
 # The tool's answer is the last line of its output: the text after its last ':' / '=' / 'is'
 # when that reads as math (digits, operators, brackets and these words), else its last number.
@@ -49,10 +54,10 @@ _PLAIN_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:/\d+)?")  # answer_format: num
 _ANSWER_LABEL = re.compile(r"[:=]|\bis\b", re.IGNORECASE)
 
 
-class MathConfig(BaseModel):
+class MathConfig(ToolAgentConfig):
     """Math env: workflow, problems, rewards and the tool agent's sandbox."""
 
-    model_config = ConfigDict(extra="forbid")
+    # The sandbox fields are ToolAgentConfig's (listed right after name).
 
     name: Literal["math"] = "math"
     workflow: WorkflowKind = Field(
@@ -77,12 +82,6 @@ class MathConfig(BaseModel):
         description="Success also needs the episode to end by agreement, so a truncated "
         "episode is never a success. Off: success = the reasoner's final answer is correct "
         "(the paper's metric).",
-    )
-    sandbox_wall_time_s: float = Field(
-        default=5.0, gt=0.0, description="Wall-clock limit of the tool agent's program."
-    )
-    sandbox_memory_mb: int = Field(
-        default=512, ge=32, description="Address-space limit of the tool agent's program."
     )
     verify_timeout_s: float = Field(
         default=10.0, gt=0.0, description="Limit of one math-verify comparison (then: wrong)."
@@ -144,19 +143,7 @@ def _reads_as_math(text: str) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class ToolReport:
-    """The tool agent's program of one turn, what it printed and its answer."""
-
-    code: str  # "" when the completion had no code block
-    status: str  # "no_code" or a sandbox ExitStatus value ("ok", "error", "timeout", ...)
-    stdout: str
-    error: str  # the last line of stderr of a failed program ("" otherwise)
-    answer: str | None  # None: no code, failure, or nothing answer-like printed
-    correct: bool
-
-
-class MathEnv(TurnBasedEnv):
+class MathEnv(TurnBasedEnv[MathProblem]):
     """Math as a multi-agent env (tool agent -> reasoner) or a single agent (reasoner).
 
     Rewards (``r = alpha * team + local`` in the trainer); ``correct(x)`` is
@@ -186,16 +173,14 @@ class MathEnv(TurnBasedEnv):
     def __init__(self, config: MathConfig | None = None, splits: MathSplits | None = None) -> None:
         """``splits`` defaults to :func:`atgrpo.data.math.load_splits` of ``config.data``."""
         self.config = config or MathConfig()
-        agents = (TOOL, REASONER) if self.config.workflow is WorkflowKind.MAS else (REASONER,)
-        name = f"math_{self.config.workflow.value}"
-        defers = (TOOL,) if TOOL in agents else ()  # the tool only advises the reasoner
-        super().__init__(Workflow(name, agents, self.config.max_turns, defers_team=defers))
+        cfg = self.config
+        super().__init__(tool_workflow("math", cfg.workflow, REASONER, cfg.max_turns))
         # Not kept when read by config: a pickled env (an env worker's) leaves the dataset out.
         self._splits = splits
         if splits is None:
-            load_splits(self.config.data)  # read, or fail, now rather than at the first reset
-        self._problem: MathProblem | None = None
-        self._tool_report: ToolReport | None = None  # this turn's (MAS), for the reasoner
+            load_splits(cfg.data)  # read, or fail, now rather than at the first reset
+        self._tool_run: ProgramRun | None = None  # this turn's (MAS), for the reasoner
+        self._tool_answer: str | None = None  # what the reasoner reads from it
         self._last_tool_answer: str | None = None  # the previous turn's, for prompts
         self._answer: str | None = None  # the reasoner's latest answer
         self._answered = False  # the reasoner has acted at least once
@@ -209,36 +194,27 @@ class MathEnv(TurnBasedEnv):
 
     # -- episode -------------------------------------------------------------------------------
 
-    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
-        """Problem ``index`` of ``options["split"]`` (default train), where ``index`` is the
-        seed's offset in the split's seed range (:data:`SEED_RANGES`; any other seed counts
-        from 0) modulo the split's size. So ``split_seeds(split, n)`` walks the first ``n``
-        problems in order. ``seed=None`` draws a random problem."""
-        split = self._split_option(options)
+    def _draw_instance(self, seed: int, split: Split) -> MathProblem:
+        """Problem ``index`` of ``split``, where ``index`` is the seed's offset in the split's
+        seed range (:data:`SEED_RANGES`; any other seed counts from 0) modulo the split's size.
+        So ``split_seeds(split, n)`` walks the first ``n`` problems in order."""
         problems = self.splits[split]
         seeds = SEED_RANGES[split]
-        seed = self._seed_or_random(seed, split)
         offset = seed - seeds.start if seed in seeds else seed
-        self.reset_to(problems[offset % len(problems)])
-        self._seed, self._split = seed, split
+        return problems[offset % len(problems)]
 
-    def reset_to(self, problem: MathProblem) -> None:
-        """Start an episode on a given problem (hand-made tasks, tests)."""
-        self._seed = None
-        self._problem = problem
-        self._tool_report = None
+    def _begin(self, instance: MathProblem) -> None:
+        self._tool_run = None
+        self._tool_answer = None
         self._last_tool_answer = None
         self._answer = None
         self._answered = False
         self._correct = False
         self._agreed = False
-        self._start_episode()
 
     @property
     def problem(self) -> MathProblem:
-        if self._problem is None:
-            raise RuntimeError("no episode yet: call reset() first")
-        return self._problem
+        return self._current_instance
 
     @property
     def instance_key(self) -> str:
@@ -270,41 +246,16 @@ class MathEnv(TurnBasedEnv):
         return self._verify(answer, self.problem.answer)
 
     def _tool_step(self, text: str) -> StepOutcome:
-        cfg = self.config
-        code = extract_code(text)
-        if code is None:
-            report = ToolReport("", "no_code", "", "", None, False)
-        else:
-            limits = sandbox.SandboxLimits(
-                wall_time_s=cfg.sandbox_wall_time_s,
-                cpu_time_s=max(1, math.ceil(cfg.sandbox_wall_time_s)),
-                memory_mb=cfg.sandbox_memory_mb,
-            )
-            result = sandbox.run_python(code, limits)
-            answer = answer_from_output(result.stdout) if result.ok else None
-            error = "" if result.ok else (result.stderr.strip().splitlines() or [""])[-1]
-            correct = self._is_correct(answer)
-            report = ToolReport(code, result.status.value, result.stdout, error, answer, correct)
-        self._tool_report = report
-        parse_error = None
-        if report.status == "no_code":
-            parse_error = "no code block"
-        elif report.status != "ok":
-            parse_error = f"program failed ({report.status})"
-        elif report.answer is None:
-            parse_error = "no answer in the program's output"
-        info = {
-            "agent_id": TOOL,
-            "parse_error": parse_error,
-            "program_status": report.status,
-            "stdout": report.stdout[:MAX_INFO_CHARS],
-            "answer": _clip(report.answer, MAX_INFO_CHARS),
-            "correct": report.correct,
-        }
+        run = run_tool_program(text, self.config.sandbox_limits)
+        answer = answer_from_output(run.stdout) if run.ok else None
+        correct = self._is_correct(answer)
+        self._tool_run, self._tool_answer = run, answer
+        info = tool_info(run, answer, "answer")
+        info.update(answer=_clip(answer, MAX_INFO_CHARS), correct=correct)
         return StepOutcome(
             team_reward=self._team_reward(),
-            local_reward=self._local_reward(report.answer, report.correct),
-            valid=report.answer is not None,
+            local_reward=self._local_reward(answer, correct),
+            valid=answer is not None,
             info=info,
         )
 
@@ -312,10 +263,10 @@ class MathEnv(TurnBasedEnv):
         answer = extract_boxed(text)
         correct = self._is_correct(answer)
         if TOOL in self.possible_agents:
-            tool_report = self._tool_report
-            reference = tool_report.answer if tool_report else None
+            reference = self._tool_answer
             self._last_tool_answer = reference
-            self._tool_report = None  # the next turn's tool writes a new program
+            self._tool_run = None  # the next turn's tool writes a new program
+            self._tool_answer = None
         else:
             reference = self._answer  # single: agreeing with its own previous answer
         self._agreed = (
@@ -390,17 +341,17 @@ class MathEnv(TurnBasedEnv):
         return [f"{head} Your last answer was {reasoner}; the helper's program gave {tool}."]
 
     def _tool_text(self) -> str:
-        report = self._tool_report
-        if report is None or report.status == "no_code":
+        run = self._tool_run
+        if run is None or run.status == NO_CODE:
             return "The helper wrote no program."
         limit = self.config.max_code_chars_shown
-        code = report.code if len(report.code) <= limit else f"{report.code[:limit]}\n# ..."
+        code = run.code if len(run.code) <= limit else f"{run.code[:limit]}\n# ..."
         lines = [f"A helper wrote this program:\n```python\n{code}\n```"]
-        if report.status != "ok":
-            error = f": {report.error[:MAX_ANSWER_CHARS_SHOWN]}" if report.error else ""
-            lines.append(f"It failed ({report.status}){error}")
+        if not run.ok:
+            error = f": {run.error[:MAX_ANSWER_CHARS_SHOWN]}" if run.error else ""
+            lines.append(f"It failed ({run.status}){error}")
         else:
-            output = report.stdout.strip()
+            output = run.stdout.strip()
             output = output[max(0, len(output) - self.config.max_output_chars_shown) :]  # tail
             lines.append(f"It printed:\n{output}" if output else "It printed nothing.")
         return "\n".join(lines)

@@ -14,13 +14,12 @@ from typing import ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
-from atgrpo.envs.grid import MOVES, Cell, GridInstance, step_cell
+from atgrpo.envs.grid import MOVES, Cell, GridInstance, numbered_rows, shown_moves, step_cell
 from atgrpo.envs.puzzle import Effect, PuzzleConfig, PuzzleEnv, PuzzleSpec
 from atgrpo.parsing import parse_moves
 from atgrpo.splits import Split, split_of
 
 MAX_GENERATION_ATTEMPTS = 10_000
-MAX_MOVES_SHOWN = 20  # of the previous plan, in later turns
 
 
 class PlanPathConfig(PuzzleConfig):
@@ -115,9 +114,7 @@ class PlanPathPuzzle:
         lines = [f"Grid ({you} you, G goal, # wall, . free):"]
         rows = inst.rows(agent=pos)
         if self.config.show_coordinates:
-            width = len(str(inst.size - 1))
-            lines.append(" " * (width + 1) + "".join(str(col % 10) for col in range(inst.size)))
-            lines += [f"{i:>{width}} {row}" for i, row in enumerate(rows)]
+            lines += numbered_rows(rows)
             (r, c), (gr, gc) = pos, inst.goal
             lines.append(f"You are at row {r}, col {c}. G is at row {gr}, col {gc}.")
         else:
@@ -149,9 +146,8 @@ class PlanPathPuzzle:
         self.position = pos
         reached = self.solved
         score = progress - cfg.invalid_move_penalty * invalid + (cfg.goal_bonus if reached else 0.0)
-        more = " ..." if len(action) > MAX_MOVES_SHOWN else ""
-        shown = " ".join(action[:MAX_MOVES_SHOWN]) + more
-        summary = f"Your last moves {shown} {'reached' if reached else 'did not reach'} G."
+        verb = "reached" if reached else "did not reach"
+        summary = f"Your last moves {shown_moves(action)} {verb} G."
         if invalid:
             summary += f" {invalid} of them hit a wall or the edge."
         info = {

@@ -45,41 +45,38 @@ Adding a puzzle (see plan_path.py for a complete one):
 
 from __future__ import annotations
 
-import enum
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from atgrpo import sandbox
-from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.parsing import extract_code
+from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv
+from atgrpo.envs.tool import (
+    NO_CODE,
+    TOOL,
+    TOOL_PREFIX,
+    ProgramRun,
+    ToolAgentConfig,
+    WorkflowKind,
+    run_tool_program,
+    tool_info,
+    tool_workflow,
+)
 from atgrpo.splits import Split
 
-TOOL = "tool"
 PLANNER = "planner"
-TOOL_PREFIX = "```python\n"  # the tool's primed answer: its program
 CUT_MARK = "\n# ... (cut)"  # ends a program shown in part
-MAX_INFO_CHARS = 200  # stdout kept in StepOutcome.info
 # StepOutcome.info keys the env writes; a puzzle's Effect.info adds its own beside them.
 ENV_INFO_KEYS = frozenset({"agent_id", "parse_error", "program_status", "stdout", "solved", "dead"})
 
 ActionT = TypeVar("ActionT")
 
 
-class WorkflowKind(enum.StrEnum):
-    MAS = "mas"  # tool agent -> planner
-    SINGLE = "single"  # planner alone
+class PuzzleConfig(ToolAgentConfig):
+    """The fields every puzzle shares; each puzzle's config subclasses this (one level). The
+    tool agent's sandbox fields are in :class:`~atgrpo.envs.tool.ToolAgentConfig`."""
 
-
-class PuzzleConfig(BaseModel):
-    """The fields every puzzle shares; each puzzle's config subclasses this (one level)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(description="The env family; each puzzle narrows it to a Literal.")
     workflow: WorkflowKind = Field(
         default=WorkflowKind.MAS,
         description="'mas': tool agent then planner each turn; 'single': the planner alone.",
@@ -94,12 +91,6 @@ class PuzzleConfig(BaseModel):
     )
     format_penalty: float = Field(
         default=1.0, ge=0.0, description="Local reward of an unparseable action is -format_penalty."
-    )
-    sandbox_wall_time_s: float = Field(
-        default=5.0, gt=0.0, description="Wall-clock limit of the tool agent's program."
-    )
-    sandbox_memory_mb: int = Field(
-        default=512, ge=32, description="Address-space limit of the tool agent's program."
     )
     max_code_chars_shown: int = Field(
         default=1500,
@@ -206,17 +197,7 @@ class PuzzleSpec(Generic[ConfigT, PuzzleT]):
     generate: Callable[[ConfigT, int, Split], PuzzleT]  # (cfg, seed, split) -> a fresh puzzle
 
 
-@dataclass(frozen=True)
-class ToolReport:
-    """The tool agent's program of the current turn and what it printed."""
-
-    code: str  # "" when the completion had no code block
-    status: str  # "no_code" or a sandbox ExitStatus value ("ok", "error", "timeout", ...)
-    stdout: str
-    action: Any  # the parsed stdout; None: unparseable (no code, failure, nothing parseable)
-
-
-class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
+class PuzzleEnv(TurnBasedEnv[PuzzleT], Generic[ConfigT, PuzzleT]):
     """A puzzle as a multi-agent env (tool agent -> planner) or a single agent (planner).
 
     An agent's prompt: the spec's system line; a user message of ``puzzle.render()``, from the
@@ -232,55 +213,38 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
             raise ValueError(f"config of {config.name!r} given to the {spec.name!r} puzzle env")
         self.config = config
         self.spec = spec
-        agents = (TOOL, PLANNER) if config.workflow is WorkflowKind.MAS else (PLANNER,)
-        name = f"{spec.name}_{config.workflow.value}"
-        defers = (TOOL,) if TOOL in agents else ()  # the tool acts on a copy: advice only
-        super().__init__(Workflow(name, agents, config.max_turns, defers_team=defers))
-        self._puzzle: PuzzleT | None = None
-        self._tool_report: ToolReport | None = None  # this turn's, for the planner
+        super().__init__(tool_workflow(spec.name, config.workflow, PLANNER, config.max_turns))
+        self._tool_run: ProgramRun | None = None  # this turn's, for the planner
         self._last_effect: Effect | None = None  # the previous planner's; None: unparseable
 
     # -- episode -------------------------------------------------------------------------------
 
-    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
-        """A new instance of ``options["split"]`` (default train) drawn with ``seed``.
+    def _draw_instance(self, seed: int, split: Split) -> PuzzleT:
+        """A new instance of ``split`` generated with ``seed``.
 
         Splits never share an instance, whatever the seeds (invariant 5 of docs/design.md; see
-        :mod:`atgrpo.splits`). ``seed=None`` draws a fresh random seed.
+        :mod:`atgrpo.splits`).
         """
-        split = self._split_option(options)
-        seed = self._seed_or_random(seed, split)
-        self.reset_to(self.spec.generate(self.config, seed, split))
-        self._seed, self._split = seed, split
+        return self.spec.generate(self.config, seed, split)
 
-    def reset_to(self, puzzle: PuzzleT) -> None:
-        """Start an episode on a given puzzle (hand-made tasks, tests); the env owns it now."""
-        if puzzle.solved or puzzle.dead:
+    def _begin(self, instance: PuzzleT) -> None:
+        if instance.solved or instance.dead:
             raise ValueError("the puzzle must be neither solved nor dead at the start")
-        self._seed = None
-        self._puzzle = puzzle
-        self._tool_report = None
+        self._tool_run = None
         self._last_effect = None
-        self._start_episode()
 
     @property
     def puzzle(self) -> PuzzleT:
-        if self._puzzle is None:
-            raise RuntimeError("no episode yet: call reset() first")
-        return self._puzzle
+        """The current state; the env owns it (``reset_to`` a hand-made one to start there)."""
+        return self._current_instance
 
     @property
     def instance_key(self) -> str:
         return self.puzzle.key
 
-    def num_instances(self, split: Split | str) -> int | None:
-        """None: instances are generated, so a split has no known size (a small grid may still
-        have few distinct ones; evaluation deduplicates by ``instance_key``)."""
-        return None
-
     @property
     def success(self) -> bool:
-        return self._puzzle is not None and self._puzzle.solved
+        return self._instance is not None and self._instance.solved
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -289,42 +253,19 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         return outcome, self.puzzle.solved or self.puzzle.dead
 
     def _tool_step(self, text: str) -> StepOutcome:
-        cfg, puzzle = self.config, self.puzzle
-        code = extract_code(text)
-        if code is None:
-            report = ToolReport(code="", status="no_code", stdout="", action=None)
-        else:
-            limits = sandbox.SandboxLimits(
-                wall_time_s=cfg.sandbox_wall_time_s,
-                cpu_time_s=max(1, math.ceil(cfg.sandbox_wall_time_s)),
-                memory_mb=cfg.sandbox_memory_mb,
-            )
-            result = sandbox.run_python(code, limits)
-            action = puzzle.parse(result.stdout, from_program=True) if result.ok else None
-            report = ToolReport(code, result.status.value, result.stdout, action)
-        self._tool_report = report
+        puzzle = self.puzzle
+        run = run_tool_program(text, self.config.sandbox_limits)
+        self._tool_run = run
+        action = puzzle.parse(run.stdout, from_program=True) if run.ok else None
         # The tool's action is scored on a copy: the real state is untouched until the planner.
-        effect = None if report.action is None else puzzle.copy().apply(report.action)
-        parse_error = None
-        if report.status == "no_code":
-            parse_error = "no code block"
-        elif report.status != "ok":
-            parse_error = f"program failed ({report.status})"
-        elif report.action is None:
-            parse_error = "no action in the program's output"
-        info = {
-            "agent_id": TOOL,
-            "parse_error": parse_error,
-            "program_status": report.status,
-            "stdout": report.stdout[:MAX_INFO_CHARS],
-        }
-        return self._outcome(effect, info)
+        effect = None if action is None else puzzle.copy().apply(action)
+        return self._outcome(effect, tool_info(run, action, "action"))
 
     def _planner_step(self, text: str) -> StepOutcome:
         action = self.puzzle.parse(text, from_program=False)
         effect = None if action is None else self.puzzle.apply(action)
         self._last_effect = effect
-        self._tool_report = None  # the next turn's tool writes a new program
+        self._tool_run = None  # the next turn's tool writes a new program
         info = {"agent_id": PLANNER, "parse_error": None if effect else "unparseable answer"}
         return self._outcome(effect, info)
 
@@ -370,15 +311,15 @@ class PuzzleEnv(TurnBasedEnv, Generic[ConfigT, PuzzleT]):
         return [f"Turn {self.turn_idx + 1} of {self.workflow.max_turns}. {summary}"]
 
     def _tool_text(self) -> str:
-        report = self._tool_report
-        if report is None or report.status == "no_code":
+        run = self._tool_run
+        if run is None or run.status == NO_CODE:
             return "The helper wrote no program."
-        code = _cut(report.code, self.config.max_code_chars_shown, CUT_MARK)
+        code = _cut(run.code, self.config.max_code_chars_shown, CUT_MARK)
         lines = [f"Helper program:\n```python\n{code}\n```"]
-        if report.status != "ok":
-            lines.append(f"It failed ({report.status}).")
+        if not run.ok:
+            lines.append(f"It failed ({run.status}).")
         else:
-            output = " ".join(report.stdout.split())
+            output = " ".join(run.stdout.split())
             output = _cut(output, self.config.max_output_chars_shown, " ... (cut)")
             lines.append(f"It printed: {output}" if output else "It printed nothing.")
         return "\n".join(lines)

@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
-from atgrpo.envs.grid import MOVES, Cell
+from atgrpo.envs.grid import MOVES, Cell, numbered_rows, shown_moves, step_cell
 from atgrpo.envs.puzzle import Effect, PuzzleConfig, PuzzleEnv, PuzzleSpec
 from atgrpo.parsing import parse_moves
 from atgrpo.splits import Split, split_of
@@ -50,7 +50,6 @@ WALL, FLOOR, TARGET, BOX, BOX_ON_TARGET, PLAYER, PLAYER_ON_TARGET = "#.TB*P+"
 LEGEND = "# wall, . floor, T target, B box, * box on target, P you, + you on a target"
 RULES = "U up, D down, L left, R right. Walk into a box to push it; the cell behind must be free."
 MAX_GENERATION_ATTEMPTS = 2_000
-MAX_MOVES_SHOWN = 20  # of the previous plan, in later turns
 # Reverse play pulls a box behind the player half of the time, so that boxes do not simply
 # trail the player; gym-sokoban's reverse play likewise has a pull and a plain move per direction.
 PULL_PROBABILITY = 0.5
@@ -105,12 +104,6 @@ class SokobanConfig(PuzzleConfig):
 # ---------------------------------------------------------------------------------------------
 
 
-def _step(cell: Cell, move: str, times: int = 1) -> Cell:
-    """The cell ``times`` moves away (negative: backwards), maybe off the grid."""
-    dr, dc = MOVES[move]
-    return cell[0] + times * dr, cell[1] + times * dc
-
-
 @dataclass(frozen=True, eq=False)
 class Room:
     """One instance: walls, targets and the start, with the per-cell tables the rules use."""
@@ -147,14 +140,14 @@ class Room:
         while walk:
             cell = walk.popleft()
             for move in MOVES:
-                nxt = _step(cell, move)
+                nxt = step_cell(cell, move)
                 if nxt in floor and nxt not in distance:
                     distance[nxt] = distance[cell] + 1
                     walk.append(nxt)
         while pull:
             cell = pull.popleft()
             for move in MOVES:
-                box, player_cell = _step(cell, move, -1), _step(cell, move, -2)
+                box, player_cell = step_cell(cell, move, -1), step_cell(cell, move, -2)
                 if box in floor and player_cell in floor and box not in live:
                     live.add(box)
                     pull.append(box)
@@ -215,12 +208,12 @@ class Room:
         self, player: Cell, boxes: frozenset[Cell], move: str
     ) -> tuple[Cell, frozenset[Cell]] | None:
         """The state after ``move``, or ``None`` when it is invalid (the player stays)."""
-        nxt = _step(player, move)
+        nxt = step_cell(player, move)
         if self.is_wall(nxt):
             return None
         if nxt not in boxes:
             return nxt, boxes
-        beyond = _step(nxt, move)
+        beyond = step_cell(nxt, move)
         if self.is_wall(beyond) or beyond in boxes:
             return None
         return nxt, (boxes - {nxt}) | {beyond}
@@ -280,7 +273,7 @@ def _draw_candidate(rng: random.Random, cfg: SokobanConfig) -> Room | None:
     boxes = set(targets)
     for _ in range(cfg.reverse_steps):
         move = rng.choice("UDLR")
-        nxt, behind = _step(player, move), _step(player, move, -1)
+        nxt, behind = step_cell(player, move), step_cell(player, move, -1)
         if nxt not in floor or nxt in boxes:
             continue
         if behind in boxes and rng.random() < PULL_PROBABILITY:
@@ -395,11 +388,10 @@ class SokobanPuzzle:
         )
         if not was_over:
             score += cfg.goal_bonus * self.solved - cfg.deadlock_penalty * self.dead
-        shown = " ".join(action[:MAX_MOVES_SHOWN]) + (" ..." * (len(action) > MAX_MOVES_SHOWN))
-        summary = f"Your last moves {shown} left {self.on_target} of {len(self.boxes)} boxes on "
-        summary += "targets." + (
-            f" {invalid} of them hit a wall or a stuck box." if invalid else ""
-        )
+        summary = f"Your last moves {shown_moves(action)} left {self.on_target} of "
+        summary += f"{len(self.boxes)} boxes on targets."
+        if invalid:
+            summary += f" {invalid} of them hit a wall or a stuck box."
         info = {
             "moves": "".join(action),
             "num_moves": len(action),
@@ -422,11 +414,8 @@ class SokobanPuzzle:
 
     def render(self) -> str:
         """The room under column numbers beside row numbers, the legend, positions and rules."""
-        room, n = self.room, self.room.size
-        width = len(str(n - 1))
-        lines = [f"Room ({LEGEND}):", " " * (width + 1) + "".join(str(c % 10) for c in range(n))]
-        rows = room.rows(self.player, self.boxes)
-        lines += [f"{i:>{width}} {row}" for i, row in enumerate(rows)]
+        room = self.room
+        lines = [f"Room ({LEGEND}):", *numbered_rows(room.rows(self.player, self.boxes))]
         boxes = " ".join(f"({r},{c})" for r, c in sorted(self.boxes))
         targets = " ".join(f"({r},{c})" for r, c in sorted(room.targets))
         (r, c) = self.player
