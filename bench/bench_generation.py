@@ -1,10 +1,10 @@
 """Time HF generation with and without a shared prefill, and the sampler's draw.
 
-SmolLM2-135M-Instruct under bf16 autocast, 4 distinct prompts of ~150 tokens x K = 8 copies
-(the rollout's order), 48 new tokens at temperature 1; then the draw alone on (32, 49152)
-probabilities: ``torch.multinomial`` (the old draw) against :func:`atgrpo.generation.hf.draw`.
-Each figure is the best of ``--repeats`` runs, the two paths alternating. On cores shared
-with other work, ``--threads 1`` gives steadier figures than torch's default.
+SmolLM2-135M-Instruct under bf16 autocast, 4 distinct prompts of ~150 tokens x K = 8 copies (the
+rollout's order), 48 new tokens at temperature 1; then the draw alone on (32, 49152) probabilities:
+``torch.multinomial`` (the old draw) against :func:`atgrpo.generation.hf.sample_inverse_cdf`. Each
+figure is the best of ``--repeats`` runs, the two paths alternating. On cores shared with other
+work, ``--threads 1`` gives steadier figures than torch's default.
 
     .venv/bin/python bench/bench_generation.py [--repeats 3] [--threads 1]
 """
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from atgrpo.generation import HFGenerator
-from atgrpo.generation.hf import draw
+from atgrpo.generation import HFGenerator, SamplingParams
+from atgrpo.generation.hf import sample_inverse_cdf
 from atgrpo.models import DEFAULT_MODEL, load_model
 
 LENGTHS = (150, 138, 161, 144)  # distinct prompts of different lengths: left padding
@@ -59,7 +59,7 @@ def bench_generate(repeats: int) -> None:
     def run(share: bool) -> None:
         torch.manual_seed(0)
         outs[share] = gens[share].generate(
-            batch, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0
+            batch, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0)
         )
 
     times = {False: float("inf"), True: float("inf")}
@@ -88,7 +88,7 @@ def bench_draw(repeats: int, rows: int = 32, vocab: int = 49152, calls: int = 20
         return go
 
     old = best(many(lambda: torch.multinomial(probs, 1)), repeats) / calls * 1e3
-    new = best(many(lambda: draw(probs)), repeats) / calls * 1e3
+    new = best(many(lambda: sample_inverse_cdf(probs)), repeats) / calls * 1e3
     print(f"draw one token per row, ({rows}, {vocab}) float32, per call:")
     print(f"  torch.multinomial {old:7.3f} ms")
     print(f"  inverse CDF       {new:7.3f} ms   ratio {old / new:.1f}x")

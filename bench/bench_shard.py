@@ -3,12 +3,12 @@
     .venv/bin/python bench/bench_shard.py [--model smollm2-135m-instruct] [--ranks 2]
         [--steps 3] [--batch 16] [--prompt-tokens 96] [--response-tokens 32] [--device cpu]
 
-Starts ``--ranks`` processes joined by torch.distributed (gloo on CPU, nccl on GPU: one GPU
-per rank) and runs the same PPO steps twice, side by side: ``replicate`` (every rank holds the
-whole model and AdamW state; gradients all-reduced, today's data parallelism) and ``shard``
-(FSDP2 per decoder layer, :mod:`atgrpo.sharding`). The ranks split one batch of ``--batch``
-random sequences (prompt + response, advantages of both signs). With ``--ranks 1`` it runs the
-sharded path on one rank (the check for a single GPU).
+Starts ``--ranks`` processes joined by torch.distributed (gloo on CPU, nccl on GPU: one GPU per
+rank) and runs the same PPO steps twice, side by side: ``replicate`` (every rank holds the whole
+model and AdamW state; gradients all-reduced, today's data parallelism) and ``shard`` (FSDP2 per
+decoder layer, :mod:`atgrpo.distributed.sharding`). The ranks split one batch of ``--batch`` random
+sequences (prompt + response, advantages of both signs). With ``--ranks 1`` it runs the sharded path
+on one rank (the check for a single GPU).
 
 Per mode, rank 0's figures: the elements of trainable weights and of AdamW state it holds
 (local shards against the full count) and the memory they take with their gradients (fp32:
@@ -41,12 +41,12 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from atgrpo.algo.loss import LossAggregation, OldLogprobs  # noqa: E402
+from atgrpo.algo.records import Sample  # noqa: E402
+from atgrpo.algo.update import DataParallel, UpdateSettings, ppo_update  # noqa: E402
 from atgrpo.config import load_config  # noqa: E402
-from atgrpo.loss import LossAggregation, OldLogprobs  # noqa: E402
+from atgrpo.distributed.sharding import shard_policies, shard_sizes  # noqa: E402
 from atgrpo.policies import build_policies, with_params  # noqa: E402
-from atgrpo.records import Sample  # noqa: E402
-from atgrpo.sharding import shard_policies, shard_sizes  # noqa: E402
-from atgrpo.update import DataParallel, UpdateSettings, ppo_update  # noqa: E402
 
 
 def _settings(micro_batch: int) -> UpdateSettings:

@@ -32,7 +32,7 @@ Workloads:
   is 1 if the answer holds a digit, plus 0.02 per distinct character, so nearly every group has
   non-zero advantages. atgrpo runs its real components: ``build_policy`` (model + AdamW),
   ``HFGenerator``, ``Sample`` records, ``assign_advantages`` and ``ppo_update``.
-* ``b``: the Plan-Path demo's multi-agent workload: ``atgrpo.train.train`` on
+* ``b``: the Plan-Path demo's multi-agent workload: ``atgrpo.training.loop.train`` on
   ``configs/plan_path-demo.yaml`` (no evaluation, a temporary output folder), timings from
   ``perf/step_s``, ``perf/rollout_s`` and ``perf/update_s`` of its history.
 
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import inspect
 import json
 import os
@@ -102,7 +101,7 @@ def reward(text: str) -> float:
 
 
 def seed_all(seed: int) -> None:
-    from atgrpo.runtime import seed_everything
+    from atgrpo.training.runtime import seed_everything
 
     seed_everything(seed)
 
@@ -161,10 +160,10 @@ def atgrpo_config(model: str, share: bool, seed: int) -> Any:
 
 def implemented() -> dict[str, bool]:
     """Whether the two sharing switches do anything in the installed source yet."""
-    import atgrpo.update
+    import atgrpo.algo.update
     from atgrpo.generation import HFGenerator
 
-    update_src = inspect.getsource(atgrpo.update)
+    update_src = inspect.getsource(atgrpo.algo.update)
     return {
         "share_prefill (HFGenerator)": "share_prefill" in inspect.signature(HFGenerator).parameters,
         "share_prefix (update)": re.search(r"settings\.share_prefix\b", update_src) is not None,
@@ -175,7 +174,7 @@ class AtgrpoStep:
     def __init__(self, model: str, share: bool, seed: int) -> None:
         from atgrpo.generation import HFGenerator
         from atgrpo.policies import build_policy
-        from atgrpo.settings import advantage_settings, update_settings
+        from atgrpo.training.settings import advantage_settings, update_settings
 
         self.cfg = cfg = atgrpo_config(model, share, seed)
         self.policy = build_policy(cfg)
@@ -194,9 +193,10 @@ class AtgrpoStep:
         self.prompts = build_prompts(self.policy.tokenizer)
 
     def step(self) -> dict[str, float]:
-        from atgrpo.advantage import assign_advantages
-        from atgrpo.records import Sample
-        from atgrpo.update import ppo_update
+        from atgrpo.algo.advantage import assign_advantages
+        from atgrpo.algo.records import Sample
+        from atgrpo.algo.update import ppo_update
+        from atgrpo.generation import SamplingParams
 
         t0 = time.perf_counter()
         self.policy.activate()
@@ -204,10 +204,12 @@ class AtgrpoStep:
         r = self.cfg.rollout
         gens = self.generator.generate(
             batch,
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
+            SamplingParams(
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+            ),
         )
         samples = []
         for i, (prompt, gen) in enumerate(zip(batch, gens, strict=True)):
@@ -362,8 +364,8 @@ def run_workload_a(variant: str, model: str, steps: int, seed: int) -> dict[str,
 
 def run_workload_b(variant: str, model: str, steps: int, seed: int) -> dict[str, Any]:
     from atgrpo.config import load_config
+    from atgrpo.training import loop as train_module
 
-    train_module = importlib.import_module("atgrpo.train")  # atgrpo.train is the function
     tokens: list[float] = []
     update_policies = train_module.update_policies
 

@@ -10,19 +10,19 @@ from typing import Any
 
 import torch
 
-from atgrpo.advantage import AdvantageScale, AdvantageSettings, Grouping, StdKind
-from atgrpo.generation import HFGenerator
-from atgrpo.loss import OldLogprobs
-from atgrpo.records import Sample
+from atgrpo.algo.advantage import AdvantageScale, AdvantageSettings, Grouping, StdKind
+from atgrpo.algo.loss import OldLogprobs
+from atgrpo.algo.records import Sample
+from atgrpo.generation import HFGenerator, SamplingParams
 
-# The rest of atgrpo.update.UpdateSettings, as the default config sets it.
+# The rest of atgrpo.algo.update.UpdateSettings, as the default config sets it.
 UPDATE_DEFAULTS: dict[str, Any] = {
     "skip_zero_advantage": True,
     "old_logprobs": OldLogprobs.TRAINER,
     "tis_cap": 0.0,
     "share_prefix": True,
 }
-# The rest of atgrpo.rollout.RolloutSettings: no top-k / top-p, the paper's local weight, and
+# The rest of atgrpo.algo.rollout.RolloutSettings: no top-k / top-p, the paper's local weight, and
 # no lookahead credit (tests of team credit turn it on themselves).
 ROLLOUT_DEFAULTS: dict[str, Any] = {
     "top_k": 0,
@@ -55,7 +55,8 @@ def mixed_batch(policy: Any, policy_id: str = "shared", flip: bool = False) -> l
         prompt = tok(text, add_special_tokens=False)["input_ids"]
         n = 3 if i < 2 else 1
         gens = engine.generate(
-            [prompt] * n, max_new_tokens=6 + 2 * i, temperature=1.0, top_k=0, top_p=1.0
+            [prompt] * n,
+            SamplingParams(max_new_tokens=6 + 2 * i, temperature=1.0, top_k=0, top_p=1.0),
         )
         for k, g in enumerate(gens):
             advantage = ((k - 1) * 0.7 + 0.2 * i) * (-1.0 if flip else 1.0)

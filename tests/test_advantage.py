@@ -1,4 +1,4 @@
-"""Unit tests for atgrpo.advantage: hand-computed group advantages for every grouping mode."""
+"""Unit tests for atgrpo.algo.advantage: hand-computed group advantages for every grouping mode."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from atgrpo.advantage import (
+from atgrpo.algo.advantage import (
     AdvantageScale,
     Grouping,
     GroupKey,
@@ -18,7 +18,7 @@ from atgrpo.advantage import (
     mix_reward,
     trajectory_return,
 )
-from atgrpo.records import Sample
+from atgrpo.algo.records import Sample
 from helpers import adv_settings
 
 AGENTS = ("coder", "tester")

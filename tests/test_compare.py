@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from atgrpo.compare import (
-    Benchmark,
-    Cell,
+from atgrpo.config import ConfigError, load_config
+from atgrpo.envs import Split
+from atgrpo.experiments.compare import (
+    BenchmarkSpec,
     Comparison,
     Method,
+    TableCell,
     cell_config,
     load_comparison,
     markdown_table,
@@ -21,10 +23,8 @@ from atgrpo.compare import (
     table_rows,
     write_tables,
 )
-from atgrpo.config import ConfigError, load_config
-from atgrpo.envs import Split
-from atgrpo.evaluate import EvalReport, TaskResult
-from atgrpo.train import train
+from atgrpo.training.evaluation import EvalReport, TaskResult
+from atgrpo.training.loop import train
 from conftest import REPO
 
 FAST = ["rollout.max_prompt_tokens=2048", "rollout.max_new_tokens=8"]
@@ -36,10 +36,10 @@ def _report(success: float, tasks: int = 100, **kw: object) -> EvalReport:
     return EvalReport("test", tasks, solved / tasks, 0.0, tasks=results, **kw)  # type: ignore[arg-type]
 
 
-def _cell(method: str, bench: str, *successes: float, **kw: object) -> Cell:
+def _cell(method: str, bench: str, *successes: float, **kw: object) -> TableCell:
     reports = [_report(s, **kw) for s in successes]
     seeds = list(range(len(reports)))
-    return Cell(method, bench, reports, [""] * len(reports), "c.yaml", seeds)
+    return TableCell(method, bench, reports, [""] * len(reports), "c.yaml", seeds)
 
 
 def test_table_has_success_intervals_and_the_delta_to_the_first_row(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_csv_has_pass_at_k_columns_when_sampled(tmp_path: Path) -> None:
 def test_a_benchmark_env_replaces_the_env_but_not_the_methods_workflow() -> None:
     comparison = Comparison(
         eval={"num_tasks": 3, "samples_per_task": 2},
-        benchmarks=[Benchmark(name="6x6", env={"name": "plan_path", "grid_size": 6})],
+        benchmarks=[BenchmarkSpec(name="6x6", env={"name": "plan_path", "grid_size": 6})],
         methods=[Method(label="single", config=str(REPO / "configs" / "tiny-single.yaml"))],
     )
     cfg = cell_config(comparison, comparison.methods[0], comparison.benchmarks[0])
@@ -124,7 +124,10 @@ def test_a_benchmark_env_replaces_the_env_but_not_the_methods_workflow() -> None
 def test_every_cell_is_evaluated_on_the_same_split() -> None:
     comparison = Comparison(
         split=Split.VALIDATION,
-        benchmarks=[Benchmark(name="a"), Benchmark(name="b", overrides=["env.grid_size=5"])],
+        benchmarks=[
+            BenchmarkSpec(name="a"),
+            BenchmarkSpec(name="b", overrides=["env.grid_size=5"]),
+        ],
         methods=[
             Method(label="x", config=str(REPO / "configs" / "tiny.yaml")),
             Method(label="y", config=str(REPO / "configs" / "tiny-single.yaml")),
@@ -240,8 +243,8 @@ def test_compare_train_trains_resumes_and_caches(
     """--train trains each seed's run in its own process, resumes a half-finished one, and a
     second call trains and evaluates nothing again."""
     from atgrpo.cli import main
-    from atgrpo.compare import RunSpec, planned_runs
-    from atgrpo.grid import RunStatus, grid_status, train_run
+    from atgrpo.experiments.compare import RunSpec, planned_runs
+    from atgrpo.experiments.runs import RunStatus, grid_status, train_run
 
     path = _grid_file(tmp_path, seeds=[0, 1])
     comparison = load_comparison(path)
@@ -268,7 +271,7 @@ def test_compare_train_trains_resumes_and_caches(
     assert "learning curves:" in out
     png = (tmp_path / "grid" / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG")
-    from atgrpo.compare import trained_runs
+    from atgrpo.experiments.compare import trained_runs
 
     runs = trained_runs(comparison)["Plan-Path 4x4"]
     assert list(runs) == ["MAS + AT-GRPO"] and len(runs["MAS + AT-GRPO"]) == 2

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from atgrpo.advantage import Grouping
+from atgrpo.algo.advantage import Grouping
 from atgrpo.cli import main
 from atgrpo.config import ConfigError, load_config
 from conftest import REPO

@@ -32,6 +32,8 @@ import pytest
 import torch
 
 from atgrpo import sandbox
+from atgrpo.algo.loss import LossAggregation
+from atgrpo.algo.update import DataParallel, UpdateSettings, ppo_update
 from atgrpo.config import Config, ConfigError, load_config
 from atgrpo.data.math import Benchmark, MathDataConfig, TrainSource
 from atgrpo.distributed.layout import group_resources, worker_groups
@@ -48,10 +50,8 @@ from atgrpo.envs import (
     SudokuEnv,
 )
 from atgrpo.envs.puzzle import PuzzleEnv
-from atgrpo.loss import LossAggregation
 from atgrpo.policies import build_policy
-from atgrpo.train import train
-from atgrpo.update import DataParallel, UpdateSettings, ppo_update
+from atgrpo.training.loop import train
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS, mixed_batch
 
@@ -288,7 +288,7 @@ def test_two_rank_gloo_update_equals_the_single_process_step(
 
 def test_the_distributed_package_imports_without_ray() -> None:
     code = (
-        "import sys, atgrpo.distributed, atgrpo.distributed.layout, atgrpo.train; "
+        "import sys, atgrpo.distributed, atgrpo.distributed.layout, atgrpo.training.loop; "
         "print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

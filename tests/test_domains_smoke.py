@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from atgrpo.config import load_config
-from atgrpo.train import train
+from atgrpo.training.loop import train
 from conftest import REPO
 
 

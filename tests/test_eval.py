@@ -11,12 +11,12 @@ import pytest
 
 from atgrpo.config import ConfigError, load_config
 from atgrpo.envs import Split, StepOutcome, TurnBasedEnv, Workflow, make_env, split_seeds
-from atgrpo.evaluate import evaluate, held_out_tasks, pass_at_k
 from atgrpo.generation import Generation
+from atgrpo.training.evaluation import evaluate_held_out, held_out_tasks, pass_at_k
 from conftest import REPO
 
-# atgrpo.evaluate is the public function; the module is imported by its name.
-evaluate_module = importlib.import_module("atgrpo.evaluate")
+# atgrpo.training.evaluation is the public function; the module is imported by its name.
+evaluate_module = importlib.import_module("atgrpo.training.evaluation")
 FAST = ["rollout.max_prompt_tokens=2048", "rollout.max_new_tokens=8"]
 
 
@@ -48,7 +48,8 @@ class OracleGenerator:
         self.seen: Counter[bytes] = Counter()
         self.temperatures: list[float | None] = []
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
+    def generate(self, prompts, params):
+        temperature = params.temperature
         self.temperatures.append(temperature)
         out = []
         for p in prompts:
@@ -78,7 +79,7 @@ def _oracle(cfg, solves: list[int]) -> OracleGenerator:
 
 def _evaluate(cfg, gen: OracleGenerator, num_tasks: int):
     with ThreadPoolExecutor(2) as pool:
-        return evaluate(
+        return evaluate_held_out(
             cfg,
             generators={"shared": gen},
             policy_of={"planner": "shared"},
@@ -160,7 +161,8 @@ class FixedAnswer:
         self.text = text
         self.seen: Counter[bytes] = Counter()
 
-    def generate(self, prompts, *, max_new_tokens, temperature, **_):
+    def generate(self, prompts, params):
+        temperature = params.temperature
         self.seen.update(bytes(p) for p in prompts)
         logprobs = [-1.0] if temperature else []
         return [Generation([65], logprobs, self.text, finished=True) for _ in prompts]
@@ -168,7 +170,7 @@ class FixedAnswer:
 
 def _run(cfg, gen: FixedAnswer, agent: str, num_tasks: int):
     with ThreadPoolExecutor(2) as pool:
-        return evaluate(
+        return evaluate_held_out(
             cfg,
             generators={"shared": gen},
             policy_of={agent: "shared"},
@@ -284,8 +286,8 @@ def test_the_shortfall_note_is_printed_by_the_cli_and_kept_in_the_table(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from atgrpo.cli import _print_eval
-    from atgrpo.compare import Cell, markdown_table
-    from atgrpo.evaluate import EvalReport, TaskResult
+    from atgrpo.experiments.compare import TableCell, markdown_table
+    from atgrpo.training.evaluation import EvalReport, TaskResult
 
     note = "eval: test split has 30 distinct tasks; asked 100, evaluating 30"
     tasks = [TaskResult(i, i, None, i % 2, 1, 0.0) for i in range(30)]
@@ -293,7 +295,7 @@ def test_the_shortfall_note_is_printed_by_the_cli_and_kept_in_the_table(
     _print_eval("aime24", report)
     out = capsys.readouterr().out
     assert "on 30 test tasks" in out and note in out
-    md = markdown_table([Cell("Single agent", "AIME24", [report], [""], "configs/x.yaml")])
+    md = markdown_table([TableCell("Single agent", "AIME24", [report], [""], "configs/x.yaml")])
     assert f"AIME24: {note}" in md
     _print_eval("full", EvalReport("test", 30, 0.5, 0.0, requested_tasks=30))
     assert "eval:" not in capsys.readouterr().out

@@ -25,7 +25,8 @@ from atgrpo import checkpoint as ckpt
 from atgrpo.checkpoint import CheckpointError, ResumeWarning
 from atgrpo.cli import main
 from atgrpo.config import load_config
-from atgrpo.train import TrainError, config_changes, run_lock, train, truncate_jsonl
+from atgrpo.training.loop import train
+from atgrpo.training.run_dir import TrainError, config_changes, run_lock, truncate_jsonl
 from conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"

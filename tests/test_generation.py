@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from atgrpo.generation import Generation, HFGenerator
-from atgrpo.generation.hf import distinct_rows, draw, process_logits
-from atgrpo.loss import token_logprobs
+from atgrpo.algo.loss import token_logprobs
+from atgrpo.algo.records import Sample
+from atgrpo.algo.update import collate, response_logits
+from atgrpo.generation import Generation, HFGenerator, SamplingParams
+from atgrpo.generation.hf import distinct_rows, process_logits
+from atgrpo.generation.hf import sample_inverse_cdf as draw
 from atgrpo.models import build_tiny_model
-from atgrpo.records import Sample
-from atgrpo.update import collate, response_logits
 
 # A Qwen3-style generation_config.json, plus processors that would act under greedy decoding.
 QWEN3_STYLE = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
@@ -85,7 +86,7 @@ def _reference_logprobs(logits: torch.Tensor, t: float, k: int, p: float) -> tor
 
 def _sample(gen: HFGenerator, prompts, n: int, **kw) -> list[Generation]:
     torch.manual_seed(0)
-    return gen.generate(prompts * n, max_new_tokens=12, **kw)
+    return gen.generate(prompts * n, SamplingParams(max_new_tokens=12, **kw))
 
 
 # -- the processing alone, by hand -------------------------------------------------------------
@@ -146,7 +147,9 @@ def test_process_logits_top_k_keeps_k_tokens_on_ties() -> None:
 def test_settings_that_define_no_distribution_are_refused(tiny, kw: dict) -> None:
     model, tok = tiny
     with pytest.raises(ValueError):
-        HFGenerator(model, tok, share_prefill=True).generate([[70]], max_new_tokens=2, **kw)
+        HFGenerator(model, tok, share_prefill=True).generate(
+            [[70]], SamplingParams(max_new_tokens=2, **kw)
+        )
 
 
 # -- sampling on the tiny model ----------------------------------------------------------------
@@ -218,8 +221,10 @@ def test_top_k_one_is_greedy_with_log_prob_zero(tiny) -> None:
     model, tok = tiny
     gen = HFGenerator(model, tok, share_prefill=True)
     prompts = _prompts(tok)
-    greedy = gen.generate(prompts, max_new_tokens=8, temperature=None, **OFF)
-    top1 = gen.generate(prompts, max_new_tokens=8, temperature=0.9, top_k=1, top_p=1.0)
+    greedy = gen.generate(prompts, SamplingParams(max_new_tokens=8, temperature=None, **OFF))
+    top1 = gen.generate(
+        prompts, SamplingParams(max_new_tokens=8, temperature=0.9, top_k=1, top_p=1.0)
+    )
     assert [o.token_ids for o in top1] == [o.token_ids for o in greedy]
     assert all(lp == 0.0 for o in top1 for lp in o.logprobs)
 
@@ -240,11 +245,13 @@ def test_greedy_is_argmax_decoding_and_has_no_logprobs(tiny, monkeypatch) -> Non
     _with_generation_config(monkeypatch, model, HOSTILE)  # penalties would change the argmax
     gen = HFGenerator(model, tok, share_prefill=True)
     prompts = _prompts(tok)
-    outs = gen.generate(prompts, max_new_tokens=10, temperature=None, top_k=5, top_p=0.5)
+    outs = gen.generate(
+        prompts, SamplingParams(max_new_tokens=10, temperature=None, top_k=5, top_p=0.5)
+    )
     for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == _argmax_decode(model, p, tok.eos_token_id, 10)
         assert o.logprobs == []
-    again = gen.generate(prompts, max_new_tokens=10, temperature=None, **OFF)
+    again = gen.generate(prompts, SamplingParams(max_new_tokens=10, temperature=None, **OFF))
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # top-k/p ignored
 
 
@@ -253,7 +260,7 @@ def test_a_model_config_we_cannot_neutralise_is_refused(tiny, monkeypatch) -> No
     _with_generation_config(monkeypatch, model, {"suppress_tokens": [5]})
     with pytest.raises(ValueError, match="suppress_tokens"):
         HFGenerator(model, tok, share_prefill=True).generate(
-            [[70]], max_new_tokens=2, temperature=1.0, **OFF
+            [[70]], SamplingParams(max_new_tokens=2, temperature=1.0, **OFF)
         )
 
 
@@ -261,7 +268,7 @@ def test_responses_stop_at_eos(tiny) -> None:
     model, tok = tiny
     gen = HFGenerator(model, tok, share_prefill=True)
     torch.manual_seed(1)
-    outs = gen.generate([[70]] * 16, max_new_tokens=40, temperature=1.0, **OFF)
+    outs = gen.generate([[70]] * 16, SamplingParams(max_new_tokens=40, temperature=1.0, **OFF))
     for o in outs:
         if o.finished:
             assert o.token_ids[-1] == tok.eos_token_id
@@ -373,7 +380,7 @@ def _recorded(model, gen: HFGenerator, prompts, **kw) -> tuple[list[Generation],
     ]
     try:
         torch.manual_seed(0)  # the same draws: one per step for the whole batch in both paths
-        outs = gen.generate(prompts, **kw)
+        outs = gen.generate(prompts, SamplingParams(**kw))
     finally:
         for h in handles:
             h.remove()
@@ -431,7 +438,7 @@ def test_greedy_shared_prefill_is_argmax_decoding(tiny) -> None:
     model, tok = tiny
     prompts = _grouped(tok, 2)
     gen = HFGenerator(model, tok, share_prefill=True)
-    outs = gen.generate(prompts, max_new_tokens=10, temperature=None, **OFF)
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=10, temperature=None, **OFF))
     for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == _argmax_decode(model, p, tok.eos_token_id, 10)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atgrpo.evaluate import TaskResult
-from atgrpo.intervals import (
+from atgrpo.experiments.intervals import (
     difference_interval,
     report_gain,
     report_interval,
     success_interval,
     wilson,
 )
+from atgrpo.training.evaluation import TaskResult
 
 
 def test_wilson_matches_the_textbook_values() -> None:

@@ -1,4 +1,4 @@
-"""Unit tests for atgrpo.loss: hand-computed PPO-clip, aggregation, KL, entropy, log-probs."""
+"""Unit tests for atgrpo.algo.loss: hand-computed PPO-clip, aggregation, KL, entropy, log-probs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from atgrpo.loss import (
+from atgrpo.algo.loss import (
     LossAggregation,
     entropy_from_logits,
     ppo_clip_loss,

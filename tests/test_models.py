@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from atgrpo import models
+from atgrpo.generation import SamplingParams
 from atgrpo.models import ModelError, build_tiny_model, load_model, resolve_model_path
 
 
@@ -59,10 +60,7 @@ def test_default_model_prepares_and_generates() -> None:
     )
     out = HFGenerator(model, tok, share_prefill=True).generate(
         [tok(ids, add_special_tokens=False)["input_ids"]],
-        max_new_tokens=8,
-        temperature=None,
-        top_k=0,
-        top_p=1.0,
+        SamplingParams(max_new_tokens=8, temperature=None, top_k=0, top_p=1.0),
     )
     assert out[0].text.strip()
 

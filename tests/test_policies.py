@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from atgrpo import runtime as runtime_module
+from atgrpo.algo.loss import LossAggregation
+from atgrpo.algo.records import Sample
+from atgrpo.algo.rollout import RolloutSettings, collect_rollout
+from atgrpo.algo.update import UpdateSettings, ppo_update
 from atgrpo.config import ConfigError, load_config
 from atgrpo.envs.base import StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.generation import Generation, HFGenerator
-from atgrpo.loss import LossAggregation
+from atgrpo.generation import Generation, HFGenerator, SamplingParams
 from atgrpo.policies import (
     Policy,
     PolicyGenerator,
@@ -31,10 +33,9 @@ from atgrpo.policies import (
     route_samples,
     swapped_routing,
 )
-from atgrpo.records import Sample
-from atgrpo.rollout import RolloutSettings, collect_rollout
-from atgrpo.train import build_runtime, update_policies
-from atgrpo.update import UpdateSettings, ppo_update
+from atgrpo.training import runtime as runtime_module
+from atgrpo.training.loop import update_policies
+from atgrpo.training.runtime import build_runtime
 from conftest import REPO
 from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS
 
@@ -58,7 +59,7 @@ def _samples(policy: Policy, agent_id: str, n: int = 4) -> list[Sample]:
     prompt = policy.tokenizer("Moves?", add_special_tokens=False)["input_ids"]
     torch.manual_seed(0)
     gens = PolicyGenerator(policy, share_prefill=True).generate(
-        [prompt] * n, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0
+        [prompt] * n, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
     )
     return [
         Sample(
@@ -128,13 +129,15 @@ def test_l2_generation_uses_each_agents_adapter(lora_policies: dict[str, Policy]
 
     def greedy(policy: Policy) -> list[int]:
         gen = PolicyGenerator(policy, share_prefill=True).generate(
-            [prompt], max_new_tokens=12, temperature=None, top_k=0, top_p=1.0
+            [prompt], SamplingParams(max_new_tokens=12, temperature=None, top_k=0, top_p=1.0)
         )
         return gen[0].token_ids
 
     engine = HFGenerator(tool.model, tool.tokenizer, share_prefill=True)
     with tool.model.disable_adapter():
-        out = engine.generate([prompt], max_new_tokens=12, temperature=None, top_k=0, top_p=1.0)
+        out = engine.generate(
+            [prompt], SamplingParams(max_new_tokens=12, temperature=None, top_k=0, top_p=1.0)
+        )
         base = out[0].token_ids
     assert greedy(tool) == greedy(planner) == base  # fresh adapters are zero updates (B = 0)
     with torch.no_grad():  # perturb the tool's adapter only
@@ -202,7 +205,7 @@ class RecordingGenerator:
     def __init__(self) -> None:
         self.agents: list[str] = []
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
+    def generate(self, prompts, params):
         out = []
         for k, p in enumerate(prompts):
             self.agents.append(bytes(p).decode().split("|")[0])
@@ -223,7 +226,8 @@ def test_every_sample_reaches_the_policy_of_its_agent(monkeypatch: pytest.Monkey
         env.reset(seed=seed)
         envs.append(env)
     settings = RolloutSettings(
-        width=2, tree=True, temperature=1.0, max_new_tokens=dict.fromkeys("abc", 4), alpha=0.7,
+        num_generations=2, tree=True, temperature=1.0, max_new_tokens=dict.fromkeys("abc", 4),
+        alpha=0.7,
         **ROLLOUT_DEFAULTS,
     )  # fmt: skip
     with ThreadPoolExecutor(2) as pool:

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from atgrpo.algo.loss import LossAggregation
+from atgrpo.algo.policy import Policy
+from atgrpo.algo.prefix import prompt_groups
+from atgrpo.algo.records import Sample
+from atgrpo.algo.update import UpdateSettings, UpdateStats, ppo_update
 from atgrpo.config import load_config
-from atgrpo.loss import LossAggregation
-from atgrpo.policies import Policy, build_policies
-from atgrpo.prefix import prompt_groups
-from atgrpo.records import Sample
-from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+from atgrpo.policies import build_policies
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS
 

@@ -16,7 +16,7 @@ from atgrpo.config import load_config
 from atgrpo.report import plots_of, write_report
 from atgrpo.report.data import Parent, SampleRecord, load_run
 from atgrpo.report.rollouts import branch_parents, embedded_steps, task_nodes
-from atgrpo.train import train
+from atgrpo.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 AGENTS = ("tool", "planner")

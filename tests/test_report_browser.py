@@ -23,7 +23,7 @@ import pytest
 
 from atgrpo.config import load_config
 from atgrpo.report import write_report
-from atgrpo.train import train
+from atgrpo.training.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 SIZE = (1400, 900)

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from atgrpo.advantage import Grouping, assign_advantages
+from atgrpo.algo.advantage import Grouping, assign_advantages
+from atgrpo.algo.rollout import EnvStepper, RolloutSettings, ThreadStepper, collect_rollout
 from atgrpo.envs import PlanPathConfig, PlanPathEnv
 from atgrpo.generation import Generation
-from atgrpo.rollout import EnvStepper, RolloutSettings, ThreadStepper, collect_rollout
 from helpers import ROLLOUT_DEFAULTS, adv_settings
 
 
@@ -28,7 +28,8 @@ class ScriptedGenerator:
         self.script = script
         self.calls: list[tuple[str, list[list[int]]]] = []
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
+    def generate(self, prompts, params):
+        max_new_tokens = params.max_new_tokens
         role = "tool" if self._is_tool(prompts[0]) else "planner"
         self.calls.append((role, prompts))
         texts = self.script[role]
@@ -62,7 +63,7 @@ def _envs(n: int, workflow: str = "mas", seed0: int = 0) -> list[PlanPathEnv]:
 def _run(envs, gen, width=3, tree=True, stepper: Callable[..., EnvStepper] | None = None):
     """A rollout; ``stepper(pool)`` steps the envs (default: ``pool=``, a ThreadStepper)."""
     settings = RolloutSettings(
-        width=width,
+        num_generations=width,
         tree=tree,
         temperature=1.0,
         max_new_tokens={"tool": 64, "planner": 64},
@@ -244,7 +245,7 @@ class AdoptingGenerator:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
 
-    def generate(self, prompts, *, max_new_tokens, temperature, top_k, top_p):
+    def generate(self, prompts, params):
         out = []
         for i, prompt in enumerate(prompts):
             text = bytes(t for t in prompt if t < 256).decode()
@@ -261,7 +262,7 @@ class AdoptingGenerator:
 
 def _team_only_rollout(lookahead: bool, gen: AdoptingGenerator):
     settings = RolloutSettings(
-        width=4, tree=True, temperature=1.0, top_k=0, top_p=1.0,
+        num_generations=4, tree=True, temperature=1.0, top_k=0, top_p=1.0,
         max_new_tokens={"tool": 64, "planner": 64}, alpha=1.0, local_weight=0.0,
         lookahead=lookahead,
     )  # fmt: skip

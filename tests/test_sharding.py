@@ -1,4 +1,5 @@
-"""Sharded worker groups: FSDP2 over a policy's ranks (atgrpo.sharding), on CPU with gloo.
+"""Sharded worker groups: FSDP2 over a policy's ranks (atgrpo.distributed.sharding), on CPU with
+gloo.
 
 Default tier: the config refuses what a sharded group does not run, with the key and the fix,
 and the tiny model's decoder layers are found bare and inside peft.
@@ -24,14 +25,14 @@ from typing import Any
 import pytest
 import torch
 
+from atgrpo.algo.loss import LossAggregation
+from atgrpo.algo.update import UpdateSettings, UpdateStats, ppo_update
 from atgrpo.checkpoint import restore_policy_state
 from atgrpo.config import ConfigError, load_config
-from atgrpo.loss import LossAggregation
+from atgrpo.distributed.sharding import decoder_layers
 from atgrpo.models import load_model, prepare_tiny_model
 from atgrpo.policies import build_policies, build_policy
-from atgrpo.sharding import decoder_layers
-from atgrpo.train import train
-from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+from atgrpo.training.loop import train
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS, mixed_batch
 

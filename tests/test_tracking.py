@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from atgrpo.advantage import Grouping, assign_advantages
+from atgrpo.algo.advantage import Grouping, assign_advantages
+from atgrpo.algo.records import Sample
 from atgrpo.config import Config, ConfigError, load_config
-from atgrpo.metrics import BranchRef, group_metrics, read_metrics, sample_parents
-from atgrpo.records import Sample
-from atgrpo.tracking import ConsoleLogger, build_loggers
-from atgrpo.train import TrainResult, train
+from atgrpo.training.loop import TrainResult, train
+from atgrpo.training.metrics import BranchRef, group_metrics, read_metrics, sample_parents
+from atgrpo.training.tracking import ConsoleLogger, build_loggers
 from conftest import REPO
 from helpers import adv_settings
 
@@ -348,7 +348,7 @@ def test_cli_eval_writes_per_task_results_next_to_the_checkpoint(
 
 
 def test_the_step_line_says_when_an_update_was_skipped() -> None:
-    from atgrpo.metrics import step_summary
+    from atgrpo.training.metrics import step_summary
 
     base = {"reward/planner/mean": 0.5, "rollout/success": 0.25, "perf/step_s": 1.5}
     taken = step_summary(3, 10, base | {"loss/loss": 0.0123, "loss/skipped": 0.0}, ("planner",))

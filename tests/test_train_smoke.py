@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from atgrpo.algo.loss import LossAggregation
+from atgrpo.algo.records import Sample
+from atgrpo.algo.update import UpdateSettings, ppo_update
 from atgrpo.config import load_config
-from atgrpo.loss import LossAggregation
+from atgrpo.generation import SamplingParams
 from atgrpo.models import build_tiny_model
 from atgrpo.policies import build_policy
-from atgrpo.records import Sample
-from atgrpo.train import train
-from atgrpo.update import UpdateSettings, ppo_update
+from atgrpo.training.loop import train
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS
 
@@ -162,7 +163,7 @@ def _samples(policy, advantage: float, n: int = 4) -> list[Sample]:
 
     torch.manual_seed(0)
     gens = HFGenerator(policy.model, tok, share_prefill=True).generate(
-        [prompt] * n, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0
+        [prompt] * n, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
     )
     return [
         Sample(

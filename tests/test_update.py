@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from atgrpo.algo.loss import LossAggregation, OldLogprobs
+from atgrpo.algo.policy import Policy
+from atgrpo.algo.records import Sample
+from atgrpo.algo.update import UpdateSettings, ppo_update
 from atgrpo.config import load_config
-from atgrpo.generation import HFGenerator
-from atgrpo.loss import LossAggregation, OldLogprobs
-from atgrpo.policies import Policy, build_policy, lr_factor
-from atgrpo.records import Sample
-from atgrpo.update import UpdateSettings, ppo_update
+from atgrpo.generation import HFGenerator, SamplingParams
+from atgrpo.policies import build_policy, lr_factor
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS
 
@@ -40,7 +41,9 @@ def _samples(policy: Policy, advantages: list[float], seed: int = 0) -> list[Sam
     engine = HFGenerator(
         policy.model, tok, share_prefill=True, autocast_dtype=policy.autocast_dtype
     )
-    gens = engine.generate(batch, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
+    gens = engine.generate(
+        batch, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
+    )
     return [
         Sample(0, 0, "planner", 0, k, "shared", p, g.token_ids, g.logprobs, 0.0, 0.0, 0.0, True,
                advantage=a)

@@ -20,17 +20,18 @@ from typing import Any
 import pytest
 import torch
 
-from atgrpo.advantage import assign_advantages
+from atgrpo.algo.advantage import assign_advantages
+from atgrpo.algo.loss import token_logprobs
+from atgrpo.algo.policy import Policy
+from atgrpo.algo.records import Sample
+from atgrpo.algo.rollout import RolloutSettings, collect_rollout
+from atgrpo.algo.update import UpdateSettings, collate, ppo_update, response_logits
 from atgrpo.config import Config, ConfigError, load_config
 from atgrpo.envs import Split, make_env, split_seeds
-from atgrpo.generation import Generation, VLLMEngine, VLLMGenerator
+from atgrpo.generation import Generation, SamplingParams, VLLMEngine, VLLMGenerator
 from atgrpo.generation.hf import process_logits
-from atgrpo.loss import token_logprobs
 from atgrpo.models import resolve_model_path
-from atgrpo.policies import Policy, build_generators, build_policies, make_encoder, vllm_settings
-from atgrpo.records import Sample
-from atgrpo.rollout import RolloutSettings, collect_rollout
-from atgrpo.update import UpdateSettings, collate, ppo_update, response_logits
+from atgrpo.policies import build_generators, build_policies, make_encoder, vllm_settings
 from conftest import REPO
 from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS, adv_settings
 
@@ -92,14 +93,18 @@ def shared() -> Iterator[tuple[Policy, VLLMGenerator, Config]]:
 def test_sampled_logprobs_match_training_forward(shared, temperature: float) -> None:
     policy, gen, _ = shared
     torch.manual_seed(0)
-    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=temperature, **OFF)
+    outs = gen.generate(
+        PROMPTS * 4, SamplingParams(max_new_tokens=16, temperature=temperature, **OFF)
+    )
     assert all(len(o.logprobs) == len(o.token_ids) > 0 for o in outs)
     diff = _max_diff(policy, PROMPTS * 4, outs, temperature)
     print(f"vLLM vs training forward, T={temperature}: max |diff| = {diff:.2e}")
     assert diff < TOLERANCE
     # Seeds come from torch's stream: the same stream samples the same responses.
     torch.manual_seed(0)
-    again = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=temperature, **OFF)
+    again = gen.generate(
+        PROMPTS * 4, SamplingParams(max_new_tokens=16, temperature=temperature, **OFF)
+    )
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert len({tuple(o.token_ids) for o in outs[:: len(PROMPTS)]}) > 1  # K samples differ
 
@@ -110,7 +115,7 @@ def test_responses_stop_at_eos_and_greedy_has_no_logprobs(shared) -> None:
     policy, gen, _ = shared
     eos = policy.tokenizer.eos_token_id
     torch.manual_seed(1)
-    outs = gen.generate([[70]] * 24, max_new_tokens=40, temperature=1.5, **OFF)
+    outs = gen.generate([[70]] * 24, SamplingParams(max_new_tokens=40, temperature=1.5, **OFF))
     assert any(o.finished for o in outs)  # 24 x 40 draws from ~259 tokens reach eos
     for o in outs:
         if o.finished:
@@ -118,8 +123,8 @@ def test_responses_stop_at_eos_and_greedy_has_no_logprobs(shared) -> None:
         else:
             assert len(o.token_ids) == 40
         assert all(lp <= 0.0 for lp in o.logprobs)
-    a = gen.generate([[70, 71, 72]], max_new_tokens=8, temperature=None, **OFF)
-    b = gen.generate([[70, 71, 72]], max_new_tokens=8, temperature=None, **OFF)
+    a = gen.generate([[70, 71, 72]], SamplingParams(max_new_tokens=8, temperature=None, **OFF))
+    b = gen.generate([[70, 71, 72]], SamplingParams(max_new_tokens=8, temperature=None, **OFF))
     assert a[0].token_ids == b[0].token_ids and a[0].logprobs == []
 
 
@@ -140,7 +145,7 @@ def test_logprobs_with_top_k_top_p_are_the_processed_distribution(
     policy, gen, _ = shared
     torch.manual_seed(5)
     kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, **kw)
+    outs = gen.generate(PROMPTS * 4, SamplingParams(max_new_tokens=16, **kw))
     inside, close, steps = 0, 0, 0
     for logits, o in zip(_response_logits(policy, PROMPTS * 4, outs), outs, strict=True):
         want = process_logits(logits, temperature, top_k, top_p)  # (R, V)
@@ -157,18 +162,18 @@ def test_logprobs_with_top_k_top_p_are_the_processed_distribution(
 def test_sync_weights_makes_the_engine_sample_from_the_new_weights(shared) -> None:
     policy, gen, _ = shared
     prompts = [[70, 71, 72], [80, 81]]
-    before = gen.generate(prompts, max_new_tokens=12, temperature=None, **OFF)
+    before = gen.generate(prompts, SamplingParams(max_new_tokens=12, temperature=None, **OFF))
     saved = {k: v.clone() for k, v in policy.model.state_dict().items()}
     with torch.no_grad():
         for p in policy.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    stale = gen.generate(prompts, max_new_tokens=12, temperature=None, **OFF)
+    stale = gen.generate(prompts, SamplingParams(max_new_tokens=12, temperature=None, **OFF))
     assert [o.token_ids for o in stale] == [o.token_ids for o in before]  # a separate copy
     gen.sync_weights()
-    after = gen.generate(prompts, max_new_tokens=12, temperature=None, **OFF)
+    after = gen.generate(prompts, SamplingParams(max_new_tokens=12, temperature=None, **OFF))
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
     torch.manual_seed(2)
-    outs = gen.generate(PROMPTS, max_new_tokens=12, temperature=1.0, **OFF)
+    outs = gen.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, **OFF))
     assert _max_diff(policy, PROMPTS, outs, 1.0) < TOLERANCE
     policy.model.load_state_dict(saved)  # the module's other tests start from the seeded model
     gen.sync_weights()
@@ -190,7 +195,7 @@ def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
         for env, seed in zip(envs, seeds, strict=True):
             env.reset(seed=seed, options={"split": "train"})
         rs = RolloutSettings(
-            width=3,
+            num_generations=3,
             tree=True,
             temperature=1.0,
             max_new_tokens=max_new,
@@ -253,7 +258,7 @@ def test_the_models_generation_config_does_not_shape_sampling(shared, tmp_path: 
         VLLMEngine(str(folder), vllm_settings(cfg, [policy])), policy.model, policy.tokenizer
     )
     torch.manual_seed(6)
-    outs = gen.generate(PROMPTS * 4, max_new_tokens=16, temperature=1.0, **OFF)
+    outs = gen.generate(PROMPTS * 4, SamplingParams(max_new_tokens=16, temperature=1.0, **OFF))
     ranks = []
     for logits, o in zip(_response_logits(policy, PROMPTS * 4, outs), outs, strict=True):
         chosen = logits.gather(-1, torch.tensor(o.token_ids).unsqueeze(-1))  # (R, 1)
@@ -277,21 +282,30 @@ def test_lora_policies_share_one_engine_with_an_adapter_each() -> None:
     gens["planner"].sync_weights()
     torch.manual_seed(4)
     outs = {
-        pid: gens[pid].generate(PROMPTS, max_new_tokens=12, temperature=0.7, **OFF) for pid in gens
+        pid: gens[pid].generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.7, **OFF))
+        for pid in gens
     }
     for pid, policy in policies.items():
         diff = _max_diff(policy, PROMPTS, outs[pid], 0.7)
         print(f"vLLM LoRA {pid} vs training forward: max |diff| = {diff:.2e}")
         assert diff < TOLERANCE
     # A step on the tool's adapter reaches the tool's engine only.
-    planner_before = gens["planner"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
-    tool_before = gens["tool"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
+    planner_before = gens["planner"].generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, temperature=None, **OFF)
+    )
+    tool_before = gens["tool"].generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, temperature=None, **OFF)
+    )
     with torch.no_grad():
         for p in tool.params:
             p.add_(torch.randn_like(p))
     gens["tool"].sync_weights()
-    tool_after = gens["tool"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
-    planner_after = gens["planner"].generate(PROMPTS, max_new_tokens=12, temperature=None, **OFF)
+    tool_after = gens["tool"].generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, temperature=None, **OFF)
+    )
+    planner_after = gens["planner"].generate(
+        PROMPTS, SamplingParams(max_new_tokens=12, temperature=None, **OFF)
+    )
     assert [o.token_ids for o in tool_after] != [o.token_ids for o in tool_before]
     assert [o.token_ids for o in planner_after] == [o.token_ids for o in planner_before]
 
@@ -305,7 +319,7 @@ def test_training_with_vllm_rollouts_stays_on_policy(tmp_path: Path) -> None:
     ones, and its ratio would leave 1. The tiny model's rewards are all equal: an entropy bonus
     on zero-advantage samples moves the adapters (as in test_train_smoke.py).
     """
-    from atgrpo.train import train
+    from atgrpo.training.loop import train
 
     overrides = [
         *TINY,

@@ -1,14 +1,14 @@
 """atgrpo: on-policy RL of multi-agent LLM systems with AT-GRPO.
 
-The public API (docs/python-api.md); see README.md for a tour and docs/ for the design::
+The public API (docs/python-api.md); see README.md for a tour and docs/design.md for the
+layers of the package::
 
     from atgrpo import Config, load_config, train, evaluate, check_env, register_env
-
-As package attributes, ``atgrpo.train`` and ``atgrpo.evaluate`` are the functions; their modules
-are imported by name (``from atgrpo.train import TrainCallback, TrainResult``).
 """
 
-from atgrpo.advantage import AdvantageScale, Grouping, assign_advantages, group_advantages
+from atgrpo.algo.advantage import AdvantageScale, Grouping, assign_advantages, group_advantages
+from atgrpo.algo.loss import LossAggregation, ppo_clip_loss
+from atgrpo.algo.records import EpisodeResult, Rollout, Sample
 from atgrpo.api import evaluate, load_checkpoint, train
 from atgrpo.config import Config, ConfigError, dump_config, load_config
 from atgrpo.envs import (
@@ -20,10 +20,8 @@ from atgrpo.envs import (
     make_env,
     register_env,
 )
-from atgrpo.evaluate import EvalReport
-from atgrpo.loss import LossAggregation, ppo_clip_loss
-from atgrpo.records import EpisodeResult, Rollout, Sample
-from atgrpo.train import TrainCallback, TrainResult
+from atgrpo.training.evaluation import EvalReport
+from atgrpo.training.loop import TrainCallback, TrainResult
 
 __all__ = [
     "AdvantageScale",

@@ -1,8 +1,6 @@
 """The Python API: train a config, evaluate a config or a checkpoint (docs/python-api.md).
 
-``from atgrpo import Config, load_config, train, evaluate, check_env, register_env``. As package
-attributes, ``atgrpo.train`` and ``atgrpo.evaluate`` are these functions; the modules of the same
-names are reached with ``from atgrpo.train import ...`` / ``from atgrpo.evaluate import ...``.
+``from atgrpo import Config, load_config, train, evaluate, check_env, register_env``.
 """
 
 from __future__ import annotations
@@ -12,10 +10,10 @@ from pathlib import Path
 from atgrpo import checkpoint as ckpt
 from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import Config, ConfigError
-from atgrpo.evaluate import EvalReport
-from atgrpo.runtime import build_runtime, seed_everything
 from atgrpo.splits import Split
-from atgrpo.train import train
+from atgrpo.training.evaluation import EvalReport
+from atgrpo.training.loop import train
+from atgrpo.training.runtime import build_runtime, seed_everything
 
 __all__ = ["evaluate", "load_checkpoint", "train"]
 
@@ -46,10 +44,11 @@ def evaluate(
     held-out tasks of ``split`` (``test`` or ``validation``) and return the report.
 
     ``checkpoint`` (a checkpoint folder, or a run folder for its latest checkpoint) supplies the
-    weights of every policy by its id; None evaluates the configured models untrained. Decoding
-    is greedy with ``eval.samples_per_task: 1``, else avg@n and pass@k (:mod:`atgrpo.evaluate`).
-    Everything is seeded with ``run.seed`` first, as ``atgrpo eval`` does; nothing is written
-    (``atgrpo.evaluate.write_eval_json`` writes the report).
+    weights of every policy by its id; None evaluates the configured models untrained. Decoding is
+    greedy with ``eval.samples_per_task: 1``, else avg@n and pass@k
+    (:mod:`atgrpo.training.evaluation`). Everything is seeded with ``run.seed`` first, as ``atgrpo
+    eval`` does; nothing is written (``atgrpo.training.evaluation.write_eval_json`` writes the
+    report).
     """
     try:
         held_out = Split(split)

@@ -17,12 +17,14 @@ instead, and third-party warnings and progress bars.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
 import sys
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +32,14 @@ from rich.console import Console
 from rich.markup import escape
 
 if TYPE_CHECKING:
-    from atgrpo.evaluate import EvalReport
+    from atgrpo.training.evaluation import EvalReport
 
 from atgrpo import __version__
 from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import ConfigError, dump_config, load_config
 from atgrpo.data.base import DatasetError
-from atgrpo.grid import RunFailedError
-from atgrpo.intervals import report_gain, report_interval
+from atgrpo.experiments.intervals import report_gain, report_interval
+from atgrpo.experiments.runs import RunFailedError
 from atgrpo.models import ModelError, load_model, prepare_default_model, prepare_tiny_model
 from atgrpo.prompts import PromptTooLongError
 from atgrpo.sandbox import SandboxSetupError
@@ -82,7 +84,7 @@ def _quiet_libraries(verbose: bool = False) -> None:
 
 
 def _print_eval(title: str, report: object) -> None:
-    from atgrpo.evaluate import EvalReport
+    from atgrpo.training.evaluation import EvalReport
 
     assert isinstance(report, EvalReport)
     valid = "  ".join(f"{a} {v:.2f}" for a, v in report.valid_rate.items())
@@ -116,57 +118,17 @@ def _print_gain(before: EvalReport, after: EvalReport) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     from atgrpo.checkpoint import CheckpointError
-    from atgrpo.envs import make_env
-    from atgrpo.policies import describe_regime, resolve_routing
-    from atgrpo.train import Interrupted, TrainError, train
+    from atgrpo.training.loop import train
+    from atgrpo.training.run_dir import Interrupted, TrainError
 
     cfg = load_config(args.config, args.overrides)
     if args.force and not (args.resume or args.resume_from is not None):
         print("error: --force applies to --resume and --resume-from only", file=sys.stderr)
         return 2
-    policy_of = resolve_routing(cfg, make_env(cfg.env).possible_agents)
-    workflow = getattr(cfg.env, "workflow", None)
-    env = cfg.env.name + (f" ({getattr(workflow, 'value', workflow)})" if workflow else "")
-    models = ", ".join(dict.fromkeys(cfg.policy_model(p) for p in cfg.policies))
-    header = (
-        f"{cfg.run.name}: env {env}, {describe_regime(cfg, policy_of)}, model {models}, "
-        f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
-        f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
-    )
-    console.print(f"[bold]atgrpo train[/] {escape(header)}")
+    console.print(f"[bold]atgrpo train[/] {escape(_train_header(cfg))}")
     try:  # outside the bar, whose console would take these lines to stdout
-        with Progress(
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            console=console,
-            transient=True,
-        ) as progress:
-            bar = progress.add_task("training", total=cfg.train.steps)
-
-            def on_step(step: int, metrics: dict[str, float]) -> None:
-                # The step's line is the console logger's (run.loggers); here only the bar moves.
-                rewards = [
-                    v for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/mean")
-                ]
-                mean = sum(rewards) / max(1, len(rewards))
-                success = metrics.get("rollout/success", 0.0)
-                progress.update(
-                    bar, completed=step, description=f"reward {mean:+.2f} success {success:.2f}"
-                )
-
+        with _step_bar(cfg.train.steps) as on_step:
             result = train(
                 cfg,
                 resume=args.resume,
@@ -180,6 +142,64 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (TrainError, CheckpointError) as exc:  # the folder is in use; nothing to resume
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    _print_train_result(result)
+    return 0
+
+
+def _train_header(cfg: Any) -> str:
+    """One line: the run, its env and workflow, policies, model(s), budget and output folder."""
+    from atgrpo.envs import make_env
+    from atgrpo.policies import describe_regime, resolve_routing
+
+    policy_of = resolve_routing(cfg, make_env(cfg.env).possible_agents)
+    workflow = getattr(cfg.env, "workflow", None)
+    env = cfg.env.name + (f" ({getattr(workflow, 'value', workflow)})" if workflow else "")
+    models = ", ".join(dict.fromkeys(cfg.policy_model(p) for p in cfg.policies))
+    return (
+        f"{cfg.run.name}: env {env}, {describe_regime(cfg, policy_of)}, model {models}, "
+        f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
+        f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
+    )
+
+
+@contextlib.contextmanager
+def _step_bar(steps: int) -> Iterator[Callable[[int, dict[str, float]], None]]:
+    """A transient progress bar over the steps; yields the ``on_step`` that moves it."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        bar = progress.add_task("training", total=steps)
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            # The step's line is the console logger's (run.loggers); here only the bar moves.
+            rewards = [
+                v for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/mean")
+            ]
+            mean = sum(rewards) / max(1, len(rewards))
+            success = metrics.get("rollout/success", 0.0)
+            progress.update(
+                bar, completed=step, description=f"reward {mean:+.2f} success {success:.2f}"
+            )
+
+        yield on_step
+
+
+def _print_train_result(result: Any) -> None:
     if result.eval_before is not None:
         _print_eval("held-out success before training", result.eval_before)
     if result.eval_after is not None:
@@ -189,15 +209,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.checkpoint is not None:
         console.print(f"checkpoint: {result.checkpoint}")
     console.print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
-    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from atgrpo.api import load_checkpoint
     from atgrpo.envs import Split, make_env
-    from atgrpo.evaluate import eval_json_path, write_eval_json
     from atgrpo.policies import swapped_routing
-    from atgrpo.runtime import build_runtime, seed_everything
+    from atgrpo.training.evaluation import eval_json_path, write_eval_json
+    from atgrpo.training.runtime import build_runtime, seed_everything
 
     cfg = load_config(args.config, args.overrides)
     suffix = ""  # a swapped-roles evaluation never overwrites the plain one
@@ -224,7 +243,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from atgrpo.compare import load_comparison
+    from atgrpo.experiments.compare import load_comparison
 
     comparison = load_comparison(args.file)
     if args.num_tasks:
@@ -240,7 +259,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _print_grid_status(comparison: Any) -> None:
-    from atgrpo.grid import grid_status
+    from atgrpo.experiments.runs import grid_status
 
     for st in grid_status(comparison):
         steps = st.spec.cfg.train.steps
@@ -251,7 +270,7 @@ def _print_grid_status(comparison: Any) -> None:
 
 
 def _train_comparison(comparison: Any) -> None:
-    from atgrpo.grid import RunStatus, train_grid
+    from atgrpo.experiments.runs import RunStatus, train_grid
 
     def on_status(st: RunStatus, what: str) -> None:
         spec = st.spec
@@ -270,13 +289,19 @@ def _train_comparison(comparison: Any) -> None:
 def _evaluate_comparison(comparison: Any) -> int:
     from rich.table import Table
 
-    from atgrpo.compare import Cell, run_comparison, table_rows, write_curves, write_tables
+    from atgrpo.experiments.compare import (
+        TableCell,
+        run_comparison,
+        table_rows,
+        write_curves,
+        write_tables,
+    )
 
     out = Path(comparison.output_dir)
     total = len(comparison.methods) * len(comparison.benchmarks)
     done = 0
 
-    def on_cell(cell: Cell) -> None:
+    def on_cell(cell: TableCell) -> None:
         nonlocal done
         done += 1
         seeds = f" (mean of {len(cell.seeds)} seeds)" if len(cell.seeds) > 1 else ""
@@ -338,6 +363,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+_Commands = argparse._SubParsersAction  # the subcommands of build_parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="atgrpo", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"atgrpo {__version__}")
@@ -348,7 +376,16 @@ def build_parser() -> argparse.ArgumentParser:
         "and progress bars (may also follow the subcommand)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_eval(sub)
+    _add_compare(sub)
+    _add_models(sub)
+    _add_config(sub)
+    _add_report(sub)
+    return parser
 
+
+def _add_train(sub: _Commands) -> None:
     p = sub.add_parser("train", help="train a team of agents with AT-GRPO")
     p.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=5")
@@ -369,6 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_train)
 
+
+def _add_eval(sub: _Commands) -> None:
     p = sub.add_parser("eval", help="evaluate a config's model or a checkpoint on held-out tasks")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
@@ -382,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_eval)
 
+
+def _add_compare(sub: _Commands) -> None:
     p = sub.add_parser("compare", help="evaluate methods x benchmarks; write table.md / table.csv")
     p.add_argument("file", help="a comparison YAML, e.g. configs/compare/tiny-table.yaml")
     p.add_argument("--output-dir", help="where the tables go (default: the file's output_dir)")
@@ -396,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_compare)
 
+
+def _add_models(sub: _Commands) -> None:
     p = sub.add_parser("models", help="prepare the embedded models")
     msub = p.add_subparsers(dest="models_command", required=True)
     q = msub.add_parser("prepare", help="convert the embedded default model into the cache")
@@ -403,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tiny", action="store_true", help="build the tiny random test model instead")
     q.set_defaults(func=cmd_models)
 
+
+def _add_config(sub: _Commands) -> None:
     p = sub.add_parser(
         "config", help="print a config with defaults and overrides applied, or describe every key"
     )
@@ -418,11 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_config)
 
+
+def _add_report(sub: _Commands) -> None:
     p = sub.add_parser("report", help="write one self-contained report.html of one or more runs")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/demo-...")
     p.add_argument("--out", help="where the page goes (default: <first run>/report.html)")
     p.set_defaults(func=cmd_report)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

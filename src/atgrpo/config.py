@@ -17,10 +17,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from atgrpo.advantage import AdvantageScale, Grouping, StdKind
+from atgrpo.algo.advantage import AdvantageScale, Grouping, StdKind
+from atgrpo.algo.loss import LossAggregation, OldLogprobs
 from atgrpo.envs import BUILTIN_ENVS, EnvConfig, EnvSpecError, PlanPathConfig
 from atgrpo.envs.registry import PLUGIN_TAG, env_tag
-from atgrpo.loss import LossAggregation, OldLogprobs
 
 
 class ConfigError(ValueError):
@@ -411,7 +411,7 @@ class Placement(enum.StrEnum):
 
 
 class Sharding(enum.StrEnum):
-    """How the ranks of one policy's worker group hold its model (atgrpo.sharding)."""
+    """How the ranks of one policy's worker group hold its model (atgrpo.distributed.sharding)."""
 
     REPLICATE = "replicate"  # a full replica per rank; gradients summed (data parallelism)
     SHARD = "shard"  # FSDP2: weights, gradients and AdamW state sharded over the ranks

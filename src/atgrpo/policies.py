@@ -22,12 +22,14 @@ import functools
 import math
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from atgrpo.adapters import adapter_parameters, load_adapter_weights
+from atgrpo.algo.policy import Policy
+from atgrpo.algo.records import Sample
 from atgrpo.config import (
     SHARED_POLICY,
     AdamWImpl,
@@ -41,6 +43,7 @@ from atgrpo.generation import (
     Generation,
     Generator,
     HFGenerator,
+    SamplingParams,
     VLLMEngine,
     VLLMGenerator,
     VLLMSettings,
@@ -54,7 +57,6 @@ from atgrpo.models import (
     retain_freed_memory,
 )
 from atgrpo.prompts import PromptEncoder
-from atgrpo.records import Sample
 
 __all__ = [
     "SHARED_POLICY",
@@ -70,26 +72,6 @@ __all__ = [
     "shared_routing",
     "swapped_routing",
 ]
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name inside an adapter folder
-
-
-@dataclass
-class Policy:
-    policy_id: str
-    model: Any  # the module to run: the policy's own model, or the peft model holding its adapter
-    tokenizer: Any
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    autocast_dtype: torch.dtype | None  # bf16 autocast over fp32 master weights, or None
-    params: list[torch.nn.Parameter]  # the parameters this policy trains (and clips), only these
-    adapter: str | None = None  # L2: the name of this policy's LoRA adapter on ``model``
-    reference: Any | None = None  # frozen initial whole model for the KL term (None for L2)
-
-    def activate(self) -> None:
-        """Route ``model``'s forward through this policy's adapter (no-op for whole models)."""
-        if self.adapter is not None:
-            self.model.set_adapter(self.adapter)
 
 
 class PolicyGenerator:
@@ -107,23 +89,9 @@ class PolicyGenerator:
             max_batch_size=max_batch_size,
         )
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float | None,
-        top_k: int,
-        top_p: float,
-    ) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self.policy.activate()  # one call per adapter group: every prompt here is this policy's
-        return self.engine.generate(
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-        )
+        return self.engine.generate(prompts, params)
 
     def sync_weights(self) -> None:
         """Nothing to do: the HF engine samples from the training model itself."""
@@ -372,44 +340,6 @@ def _peft_config(lora: LoraConfig) -> Any:
     )
 
 
-def _adapter_parameters(model: Any, adapter: str) -> list[torch.nn.Parameter]:
-    """The parameters of one named adapter: its entries in every tuner layer of ``model``."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    params: list[torch.nn.Parameter] = []
-    for module in model.modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        for layer_name in module.adapter_layer_names:
-            layers = getattr(module, layer_name)
-            if adapter in layers:
-                item = layers[adapter]
-                params.extend([item] if isinstance(item, torch.nn.Parameter) else item.parameters())
-    if not params:
-        raise ValueError(f"adapter {adapter!r} has no parameters: check lora.target_modules")
-    return params
-
-
-def _load_adapter_weights(model: Any, adapter: str, folder: Path) -> None:
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    file = folder / ADAPTER_WEIGHTS
-    if not file.is_file():
-        raise ModelError(
-            f"{folder} holds no LoRA adapter ({ADAPTER_WEIGHTS}) but policy {adapter!r} is a "
-            "LoRA policy; check that the config matches the checkpoint's run"
-        )
-    result: Any = set_peft_model_state_dict(model, load_file(str(file)), adapter_name=adapter)
-    own = {id(p) for p in _adapter_parameters(model, adapter)}
-    missing = set(result.missing_keys) & {n for n, p in model.named_parameters() if id(p) in own}
-    if result.unexpected_keys or missing:
-        raise ModelError(
-            f"adapter {folder} does not fit policy {adapter!r} (other lora settings?): "
-            f"{len(missing)} of its tensors missing, {len(result.unexpected_keys)} unexpected"
-        )
-
-
 def build_lora_policies(
     cfg: Config, policy_ids: list[str], weights: Mapping[str, Path] | None = None
 ) -> dict[str, Policy]:
@@ -435,9 +365,9 @@ def build_lora_policies(
         else:
             model.add_adapter(pid, _peft_config(lora))
         if weights and pid in weights:
-            _load_adapter_weights(model, pid, weights[pid])
+            load_adapter_weights(model, pid, weights[pid])
     return {
-        pid: _policy(cfg, pid, model, tokenizer, _adapter_parameters(model, pid), adapter=pid)
+        pid: _policy(cfg, pid, model, tokenizer, adapter_parameters(model, pid), adapter=pid)
         for pid in policy_ids
     }
 

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import torch
 
-from atgrpo.records import Sample
+from atgrpo.algo.records import Sample
 
 
 class Grouping(enum.StrEnum):
@@ -58,7 +58,8 @@ def mix_reward(team: float, local: float, alpha: float, local_weight: float) -> 
 
 @dataclass(frozen=True)
 class AdvantageSettings:
-    """How rewards become advantages; built from the config in one place (``atgrpo.settings``)."""
+    """How rewards become advantages; built from the config in one place
+    (``atgrpo.training.settings``)."""
 
     grouping: Grouping
     scale: AdvantageScale

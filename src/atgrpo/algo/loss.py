@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -60,6 +61,9 @@ def truncated_is_weights(
 
 
 class LossOutput(NamedTuple):
+    """The loss and its terms; the metrics (clip_frac, ratio_mean, approx_kl) are detached means
+    over the micro-batch's masked tokens."""
+
     loss: torch.Tensor  # () to backpropagate: pg_loss + kl_coef * kl - entropy_coef * entropy
     pg_loss: torch.Tensor  # () clipped surrogate, aggregated like the loss; detached
     kl: torch.Tensor  # () k3 KL to the reference, aggregated like the loss; detached (0 if none)
@@ -130,15 +134,78 @@ def ppo_clip_loss(
     (seq_mean) are the normalisers of the *whole* batch for gradient accumulation: summing the
     losses of micro-batches computed with the full batch's count equals the whole batch's loss.
     They default to this micro-batch's own counts (sequences with at least one response
-    token); the one the aggregation does not use is ignored.
-
-    Metrics (clip_frac, ratio_mean, approx_kl) are detached means over this micro-batch's
-    masked tokens. Values at masked positions never reach the loss, even if inf or nan.
+    token); the one the aggregation does not use is ignored. Values at masked positions never
+    reach the loss, even if inf or nan.
     """
     aggregation = LossAggregation(aggregation)
-    _check_shapes(logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
+    _check_inputs(logprobs, old_logprobs, mask, ref_logprobs, kl_coef, entropy, entropy_coef)
+    m = mask.bool()  # (B, T)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    adv = _token_advantages(advantages, logprobs)  # (B, T)
+
+    # torch.where, not multiplication: padding may hold inf/nan, and 0 * inf = nan.
+    log_ratio = torch.where(m, logprobs - old_logprobs, zero)  # (B, T)
+    pg_tok, ratio, was_clipped = _clipped_surrogate(log_ratio, adv, clip_low, clip_high)
     if is_weights is not None:
         _check_shapes(logprobs, is_weights=is_weights)
+        pg_tok = pg_tok * torch.where(m, is_weights.to(pg_tok.dtype), zero)
+    kl_tok, ent_tok = _kl_and_entropy(logprobs, m, ref_logprobs, entropy)  # (B, T) each
+    per_token = pg_tok + kl_coef * kl_tok - entropy_coef * ent_tok  # entropy is a bonus
+
+    norm = _Normalisers(aggregation, m, num_tokens, num_seqs)
+    with torch.no_grad():
+        clip_frac = _token_mean(was_clipped.to(logprobs.dtype), m)
+        ratio_mean, approx_kl = _token_mean(ratio, m), _token_mean(-log_ratio, m)
+    return LossOutput(
+        loss=norm.aggregate(per_token),
+        pg_loss=norm.aggregate(pg_tok).detach(),
+        kl=norm.aggregate(kl_tok).detach(),
+        entropy=norm.aggregate(ent_tok).detach(),
+        clip_frac=clip_frac,
+        ratio_mean=ratio_mean,
+        approx_kl=approx_kl,
+    )
+
+
+def _clipped_surrogate(
+    log_ratio: torch.Tensor,  # (B, T) log pi - log pi_old, 0 at masked positions
+    adv: torch.Tensor,  # (B, T)
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (B, T) pg, ratio, clip removes grad
+    ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    return -torch.min(unclipped, clipped), ratio, clipped < unclipped
+
+
+def _kl_and_entropy(
+    logprobs: torch.Tensor,  # (B, T)
+    m: torch.Tensor,  # (B, T) bool
+    ref_logprobs: torch.Tensor | None,  # (B, T)
+    entropy: torch.Tensor | None,  # (B, T)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T) k3 KL, (B, T) entropy; zeros when not given
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    kl_tok = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        ref_diff = torch.where(m, ref_logprobs - logprobs, zero).clamp(max=_MAX_LOG_RATIO)
+        kl_tok = ref_diff.exp() - ref_diff - 1.0  # k3: unbiased and non-negative
+    ent_tok = torch.zeros_like(logprobs)
+    if entropy is not None:
+        ent_tok = torch.where(m, entropy.to(logprobs.dtype), zero)
+    return kl_tok, ent_tok
+
+
+def _check_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+) -> None:
+    _check_shapes(logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
     if entropy is not None:
         _check_shapes(logprobs, entropy=entropy)
     if kl_coef != 0.0 and ref_logprobs is None:
@@ -146,8 +213,11 @@ def ppo_clip_loss(
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef is set but entropy is None")
 
-    m = mask.bool()  # (B, T)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+
+def _token_advantages(
+    advantages: torch.Tensor,  # (B,) or (B, T)
+    logprobs: torch.Tensor,  # (B, T)
+) -> torch.Tensor:  # (B, T) in logprobs' dtype
     if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
         raise ValueError(
             f"advantages {tuple(advantages.shape)} must be (B,) or (B, T) for logprobs "
@@ -155,58 +225,31 @@ def ppo_clip_loss(
         )
     if advantages.dim() == 1:
         advantages = advantages[:, None]  # (B, 1): one scalar per sequence (step 5)
-    adv = advantages.to(logprobs.dtype).expand_as(logprobs)  # (B, T)
+    return advantages.to(logprobs.dtype).expand_as(logprobs)
 
-    # torch.where, not multiplication: padding may hold inf/nan, and 0 * inf = nan.
-    log_ratio = torch.where(m, logprobs - old_logprobs, zero)  # (B, T)
-    ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()  # (B, T)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    pg_tok = -torch.min(unclipped, clipped)  # (B, T)
-    if is_weights is not None:
-        pg_tok = pg_tok * torch.where(m, is_weights.to(pg_tok.dtype), zero)
-    per_token = pg_tok
 
-    kl_tok = torch.zeros_like(pg_tok)
-    if ref_logprobs is not None:
-        ref_diff = torch.where(m, ref_logprobs - logprobs, zero).clamp(max=_MAX_LOG_RATIO)
-        kl_tok = ref_diff.exp() - ref_diff - 1.0  # (B, T) k3: unbiased and non-negative
-        per_token = per_token + kl_coef * kl_tok
+def _token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:  # (B, T) -> ()
+    """Mean over this micro-batch's masked tokens (the detached metrics)."""
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype)).sum() / m.sum().clamp(min=1)
 
-    ent_tok = torch.zeros_like(pg_tok)
-    if entropy is not None:
-        ent_tok = torch.where(m, entropy.to(logprobs.dtype), zero)
-        per_token = per_token - entropy_coef * ent_tok  # a bonus: higher entropy, lower loss
 
-    def aggregate(x: torch.Tensor) -> torch.Tensor:  # (B, T) -> ()
-        x = torch.where(m, x, zero)
-        if aggregation is LossAggregation.TOKEN_MEAN:
-            denom = _normaliser(num_tokens, "num_tokens", int(m.sum()))
-            return x.sum() / denom
+@dataclass(frozen=True)
+class _Normalisers:
+    """How a (B, T) per-token loss becomes the micro-batch's share of the whole batch's loss."""
+
+    aggregation: LossAggregation
+    m: torch.Tensor  # (B, T) bool
+    num_tokens: int | None  # the whole batch's response tokens (token_mean)
+    num_seqs: int | None  # the whole batch's non-empty sequences (seq_mean)
+
+    def aggregate(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) -> ()
+        m = self.m
+        x = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        if self.aggregation is LossAggregation.TOKEN_MEAN:
+            return x.sum() / _normaliser(self.num_tokens, "num_tokens", int(m.sum()))
         seq_len = m.sum(dim=-1)  # (B,)
         seq_mean = x.sum(dim=-1) / seq_len.clamp(min=1)  # (B,): empty rows contribute 0
-        denom = _normaliser(num_seqs, "num_seqs", int((seq_len > 0).sum()))
-        return seq_mean.sum() / denom
-
-    with torch.no_grad():
-        n_tok = m.sum().clamp(min=1)
-
-        def token_mean(x: torch.Tensor) -> torch.Tensor:
-            return torch.where(m, x, zero).sum() / n_tok
-
-        clip_frac = token_mean((clipped < unclipped).to(logprobs.dtype))
-        ratio_mean = token_mean(ratio)
-        approx_kl = token_mean(-log_ratio)
-
-    return LossOutput(
-        loss=aggregate(per_token),
-        pg_loss=aggregate(pg_tok).detach(),
-        kl=aggregate(kl_tok).detach(),
-        entropy=aggregate(ent_tok).detach(),
-        clip_frac=clip_frac,
-        ratio_mean=ratio_mean,
-        approx_kl=approx_kl,
-    )
+        return seq_mean.sum() / _normaliser(self.num_seqs, "num_seqs", int((seq_len > 0).sum()))
 
 
 def _normaliser(given: int | None, name: str, own: int) -> int:

@@ -7,7 +7,8 @@ answer); sharing it costs prompt + K x answer:
 1. :func:`run_prompt`: one forward of the prompt (1, P) with gradients and ``use_cache``. Its
    per-layer keys / values and its last position's logits (which predict the first response
    token) are kept, and detached copies of them become leaves that collect gradients.
-2. :func:`response_logits`: any chunk of the group's responses (m, R) runs on top of the leaves
+2. :func:`response_logits_on_prompt`: any chunk of the group's responses (m, R) runs on top of the
+leaves
    expanded to m rows (a view, not a copy), with the position ids the unshared layout gives
    them (P, P+1, ...). Its backward stops at the leaves and adds into their ``.grad``.
 3. :meth:`SharedPrompt.backward`: once every chunk has run, the prompt's graph is
@@ -26,9 +27,9 @@ from typing import Any
 
 import torch
 
+from atgrpo.algo.records import Sample
 from atgrpo.generation.hf import cache_kwarg, unwrapped
 from atgrpo.models import autocast_for
-from atgrpo.records import Sample
 
 
 class PrefixSharingError(ValueError):
@@ -95,7 +96,7 @@ def run_prompt(
     return SharedPrompt(len(prompt_ids), outputs, leaves)
 
 
-def response_logits(
+def response_logits_on_prompt(
     model: Any,
     prompt: SharedPrompt,
     response_ids: torch.Tensor,  # (m, R) right-padded

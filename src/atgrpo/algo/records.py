@@ -2,7 +2,7 @@
 
 One :class:`Sample` is one agent's response at one turn of one task: its own training sequence
 (docs/algorithm.md, "Loss"). The rollout fills every
-field except ``advantage``; :func:`atgrpo.advantage.assign_advantages` fills that.
+field except ``advantage``; :func:`atgrpo.algo.advantage.assign_advantages` fills that.
 """
 
 from __future__ import annotations

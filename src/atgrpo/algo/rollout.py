@@ -14,8 +14,8 @@ branches is followed, on a probe copy, by one sampled response of the next agent
 batched call per turn), and the team reward after that response is the branch's team term.
 
 Independent sampling: K full trajectories per task, each with one sample per step; nothing is
-selected. Both are one loop over *slots*: tree mode has one slot per task and width K; independent
-mode has K slots per task and width 1.
+selected. Both are one loop over *slots*: tree mode has one slot per task and K branches per slot;
+independent mode has K slots per task and one branch per slot.
 
 All K samples of all live slots for one agent and turn go to the generator in one batched call:
 one call per (agent, turn), hence per policy (in L2, per adapter); the policy id of the agent
@@ -36,13 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from atgrpo.advantage import mix_reward
+from atgrpo.algo.advantage import mix_reward
+from atgrpo.algo.records import EpisodeResult, Rollout, Sample
 from atgrpo.envs import MultiAgentEnv, StepOutcome
 from atgrpo.envs.base import Message
-from atgrpo.generation import Generation, Generator
-from atgrpo.records import EpisodeResult, Rollout, Sample
+from atgrpo.generation import Generation, Generator, SamplingParams
 
-PromptEncoder = Callable[[list[Message]], list[int]]
+# Chat messages -> prompt token ids (atgrpo.prompts.PromptEncoder is the one the runtime builds).
+EncodeMessages = Callable[[list[Message]], list[int]]
 
 
 class EnvStepper(Protocol):
@@ -96,9 +97,10 @@ class _TimedStepper:
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """How one rollout samples; built from the config in one place (:mod:`atgrpo.settings`)."""
+    """How one rollout samples; built from the config in one place
+    (:mod:`atgrpo.training.settings`)."""
 
-    width: int  # K for tree sampling, trajectories per task for independent sampling
+    num_generations: int  # K: branches per task and turn (tree), trajectories per task
     tree: bool
     temperature: float | None  # None: greedy (evaluation)
     top_k: int  # 0: off
@@ -126,7 +128,7 @@ def collect_rollout(
     *,
     generators: dict[str, Generator],
     policy_of: dict[str, str],
-    encode: PromptEncoder | Mapping[str, PromptEncoder],
+    encode: EncodeMessages | Mapping[str, EncodeMessages],
     settings: RolloutSettings,
     stepper: EnvStepper | None = None,
     pool: ThreadPoolExecutor | None = None,
@@ -140,16 +142,18 @@ def collect_rollout(
     (give exactly one of the two).
     """
     timed = _TimedStepper(_one_stepper(stepper, pool))  # perf/programs_s
+    actors = _Actors(generators, policy_of, encode, settings)
+    k = settings.num_generations
     if settings.tree:
         slots = [_Slot(i, s, 0, env) for i, (env, s) in enumerate(zip(envs, seeds, strict=True))]
-        width = settings.width
+        branches = k
     else:
         slots = [
-            _Slot(i, s, k, env.clone())
+            _Slot(i, s, t, env.clone())
             for i, (env, s) in enumerate(zip(envs, seeds, strict=True))
-            for k in range(settings.width)
+            for t in range(k)
         ]
-        width = 1
+        branches = 1
     samples: list[Sample] = []
     kept: dict[tuple[int, str, int], int] = {}
     clock = {"lookahead_s": 0.0}
@@ -160,20 +164,8 @@ def collect_rollout(
         for slot in live:
             by_agent.setdefault(slot.env.agent_selection, []).append(slot)
         for agent_id, group in by_agent.items():
-            samples.extend(
-                _step_agent(
-                    agent_id,
-                    group,
-                    width,
-                    generators,
-                    policy_of,
-                    encode,
-                    settings,
-                    timed,
-                    kept,
-                    clock,
-                )
-            )
+            step = _AgentStep(agent_id, group, branches)
+            samples.extend(_step_agent(step, actors, timed, kept, clock))
     episodes = [
         EpisodeResult(s.task_id, s.seed, s.env.success, s.env.turn_idx, s.last_team_reward)
         for s in slots
@@ -195,32 +187,36 @@ def _one_stepper(stepper: EnvStepper | None, pool: ThreadPoolExecutor | None) ->
     raise TypeError("collect_rollout needs exactly one of stepper= and pool=")
 
 
+@dataclass(frozen=True)
+class _AgentStep:
+    """One agent acting in a batch of slots, with ``branches`` responses per slot."""
+
+    agent_id: str
+    slots: list[_Slot]
+    branches: int  # K in tree mode, 1 in independent mode
+
+
 def _step_agent(
-    agent_id: str,
-    slots: list[_Slot],
-    width: int,
-    generators: dict[str, Generator],
-    policy_of: dict[str, str],
-    encode: PromptEncoder | Mapping[str, PromptEncoder],
-    settings: RolloutSettings,
+    step: _AgentStep,
+    actors: _Actors,
     stepper: EnvStepper,
     kept: dict[tuple[int, str, int], int],
     clock: dict[str, float],
 ) -> list[Sample]:
-    """One agent acts in every slot: K samples per slot, each on its own env copy."""
-    engine = _Engine(generators, policy_of, encode, settings)
-    prompts, texts, generations = engine.sample(agent_id, [slot.env for slot in slots], width)
-    copies = [slot.env.clone() for slot in slots for _ in range(width)]
+    """One agent acts in every slot: ``branches`` samples per slot, each on its own env copy."""
+    agent_id, slots, per_slot, settings = step.agent_id, step.slots, step.branches, actors.settings
+    prompts, texts, generations = actors.sample(agent_id, [slot.env for slot in slots], per_slot)
+    copies = [slot.env.clone() for slot in slots for _ in range(per_slot)]
     branches, outcomes = _apply(stepper, copies, [g.text for g in generations])
     t0 = time.perf_counter()
-    credit = _lookahead_team(engine, stepper, agent_id, branches) if settings.lookahead else {}
+    credit = _lookahead_team(actors, stepper, agent_id, branches) if settings.lookahead else {}
     clock["lookahead_s"] += time.perf_counter() - t0
     samples: list[Sample] = []
     for i, slot in enumerate(slots):
         turn_idx = slot.env.turn_idx
         rewards = []
-        for k in range(width):
-            j = i * width + k
+        for k in range(per_slot):
+            j = i * per_slot + k
             gen, out = generations[j], outcomes[j]
             team = credit.get(j, out.team_reward)
             reward = mix_reward(team, out.local_reward, settings.alpha, settings.local_weight)
@@ -232,7 +228,7 @@ def _step_agent(
                     agent_id=agent_id,
                     turn_idx=turn_idx,
                     branch_idx=k if settings.tree else slot.trajectory,
-                    policy_id=policy_of[agent_id],
+                    policy_id=actors.policy_of[agent_id],
                     prompt_ids=prompts[i],
                     response_ids=gen.token_ids,
                     logprobs=gen.logprobs if gen.logprobs else [0.0] * len(gen.token_ids),
@@ -244,28 +240,29 @@ def _step_agent(
                     prompt_text=texts[i],
                 )
             )
-        best = max(range(width), key=lambda k: rewards[k])  # first of equals on ties
-        samples[len(samples) - width + best].kept = True
+        best = max(range(per_slot), key=lambda k: rewards[k])  # first of equals on ties
+        samples[len(samples) - per_slot + best].kept = True
         if settings.tree:
             kept[(slot.task_id, agent_id, turn_idx)] = best
-        slot.env = branches[i * width + best]
-        slot.last_team_reward = outcomes[i * width + best].team_reward  # the real state's
+        slot.env = branches[i * per_slot + best]
+        slot.last_team_reward = outcomes[i * per_slot + best].team_reward  # the real state's
     return samples
 
 
 @dataclass(frozen=True)
-class _Engine:
-    """Prompts in, responses out, for any agent: its policy's encoder and generator."""
+class _Actors:
+    """Prompts in, responses out, for any agent: its policy's encoder and generator. Built once
+    per rollout."""
 
     generators: dict[str, Generator]
     policy_of: dict[str, str]
-    encode: PromptEncoder | Mapping[str, PromptEncoder]
+    encode: EncodeMessages | Mapping[str, EncodeMessages]
     settings: RolloutSettings
 
     def sample(
-        self, agent_id: str, envs: list[MultiAgentEnv], width: int
+        self, agent_id: str, envs: list[MultiAgentEnv], per_env: int
     ) -> tuple[list[list[int]], list[str], list[Generation]]:
-        """``width`` responses of ``agent_id`` per env, K in a row, in one batched call.
+        """``per_env`` responses of ``agent_id`` per env, in a row, in one batched call.
 
         Returns each env's prompt ids, its observation as text (:func:`prompt_text`) and the
         responses.
@@ -278,15 +275,10 @@ class _Engine:
         encoder = self.encode[policy_id] if isinstance(self.encode, Mapping) else self.encode
         observations = [env.observe(agent_id) for env in envs]
         prompts = [encoder(messages) for messages in observations]
-        batch = [p for p in prompts for _ in range(width)]  # (envs * K) prompts, K in a row
+        batch = [p for p in prompts for _ in range(per_env)]  # (envs * K) prompts, K in a row
         s = self.settings
-        generations = self.generators[policy_id].generate(
-            batch,
-            max_new_tokens=s.max_new_tokens[agent_id],
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-        )
+        params = SamplingParams(s.max_new_tokens[agent_id], s.temperature, s.top_k, s.top_p)
+        generations = self.generators[policy_id].generate(batch, params)
         return prompts, [prompt_text(m) for m in observations], generations
 
 
@@ -308,7 +300,7 @@ def _apply(
 
 
 def _lookahead_team(
-    engine: _Engine, stepper: EnvStepper, agent_id: str, branches: list[MultiAgentEnv]
+    actors: _Actors, stepper: EnvStepper, agent_id: str, branches: list[MultiAgentEnv]
 ) -> dict[int, float]:
     """Branch index -> the team reward after the next agents' responses on a copy of it.
 
@@ -331,7 +323,7 @@ def _lookahead_team(
         for j, env in pending.items():
             by_agent.setdefault(env.agent_selection, []).append(j)
         for next_agent, idx in by_agent.items():
-            _, _, generations = engine.sample(next_agent, [pending[j] for j in idx], 1)
+            _, _, generations = actors.sample(next_agent, [pending[j] for j in idx], 1)
             stepped, outcomes = _apply(
                 stepper, [pending[j] for j in idx], [g.text for g in generations]
             )

@@ -10,14 +10,14 @@ truncated importance weights. Gradients accumulate over micro-batches with the w
 token / sequence count as the normaliser, so the step equals one full-batch step; leaving the
 zero-advantage samples out (``skip_zero_advantage``) changes neither (invariant 10).
 
-Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its
-worker group; each rank passes its shard and its :class:`DataParallel` group, whose
-``all_reduce`` sums a tensor over the ranks. The normalisers, the gradients and the statistics
-are then sums over the whole batch, so every rank takes the step one process would take on all
-the samples. A sharded group (FSDP2, :mod:`atgrpo.sharding`) gathers weights in every forward
-and reduce-scatters gradients in every backward, so its ranks run the same number of
-micro-batches: a rank with fewer runs zero-weight ones, and a non-finite loss is still
-back-propagated (every rank then skips the step).
+Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its worker
+group; each rank passes its shard and its :class:`DataParallel` group, whose ``all_reduce`` sums a
+tensor over the ranks. The normalisers, the gradients and the statistics are then sums over the
+whole batch, so every rank takes the step one process would take on all the samples. A sharded group
+(FSDP2, :mod:`atgrpo.distributed.sharding`) gathers weights in every forward and reduce-scatters
+gradients in every backward, so its ranks run the same number of micro-batches: a rank with fewer
+runs zero-weight ones, and a non-finite loss is still back-propagated (every rank then skips the
+step).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from atgrpo import prefix
-from atgrpo.loss import (
+from atgrpo.algo import prefix
+from atgrpo.algo.loss import (
     LossAggregation,
     LossOutput,
     OldLogprobs,
@@ -42,10 +42,10 @@ from atgrpo.loss import (
     token_logprobs,
     truncated_is_weights,
 )
+from atgrpo.algo.policy import Policy
+from atgrpo.algo.prefix import prompt_groups, run_prompt
+from atgrpo.algo.records import Sample
 from atgrpo.models import autocast_for
-from atgrpo.policies import Policy
-from atgrpo.prefix import prompt_groups, run_prompt
-from atgrpo.records import Sample
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
 
@@ -69,7 +69,8 @@ class DataParallel:
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """How one policy update runs; built from the config in one place (:mod:`atgrpo.settings`)."""
+    """How one policy update runs; built from the config in one place
+    (:mod:`atgrpo.training.settings`)."""
 
     temperature: float  # the rollout's; log-probs are of the tempered distribution
     clip_low: float
@@ -357,7 +358,7 @@ def _backward_shared(
         for start in range(0, len(group), settings.micro_batch_size):
             chunk = group[start : start + settings.micro_batch_size]
             r = collate_responses(chunk, pad_id).to(device)
-            logits = prefix.response_logits(
+            logits = prefix.response_logits_on_prompt(
                 policy.model, prompt, r.targets, r.mask, policy.autocast_dtype
             )  # (m, R, V)
             # The full rows (prompt + response) are built only for a KL reference.

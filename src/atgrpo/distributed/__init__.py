@@ -1,17 +1,18 @@
 """Scale-out on Ray: a worker group per policy, data parallelism inside a group.
 
-With ``backend.kind: ray`` the training loop (:func:`atgrpo.train.train`) is unchanged: the
+With ``backend.kind: ray`` the training loop (:func:`atgrpo.training.loop.train`) is unchanged: the
 driver keeps the envs, the rollout, the advantages and the routing, and reaches every policy
 through the in-process protocols, now served by a Ray worker group that owns the policy's
 model, optimizer and generator:
 
 * :class:`~atgrpo.distributed.group.RemoteGenerator` is a :class:`atgrpo.generation.Generator`;
-* :class:`~atgrpo.distributed.group.RemoteLearner` is a :class:`atgrpo.runtime.Learner` (update,
+* :class:`~atgrpo.distributed.group.RemoteLearner` is a :class:`atgrpo.training.runtime.Learner`
+(update,
   learning rate, checkpoint save and restore);
 * inside a group of several workers, ``torch.distributed`` (gloo on CPU, nccl on GPU) sums the
-  gradients of the ranks' shards (:func:`atgrpo.update.ppo_update`'s ``all_reduce``);
+  gradients of the ranks' shards (:func:`atgrpo.algo.update.ppo_update`'s ``all_reduce``);
 * with ``backend.num_env_workers`` > 0, :class:`~atgrpo.distributed.env_workers.RayEnvStepper`
-  is the rollout's :class:`atgrpo.rollout.EnvStepper`: env steps and their sandboxed programs
+  is the rollout's :class:`atgrpo.algo.rollout.EnvStepper`: env steps and their sandboxed programs
   run in Ray actors spread over the nodes, not on the driver.
 
 No algorithm lives here: this package moves data and calls the functions the single-process

@@ -1,12 +1,12 @@
 """Env workers: Ray actors that step the envs, and run their sandboxed programs, off the driver.
 
-With ``backend.num_env_workers: N`` (> 0) the rollout's :class:`~atgrpo.rollout.EnvStepper` is a
-:class:`RayEnvStepper`. For every agent turn the driver deals the K branches of all tasks
-round-robin to the N actors (env i to actor i mod N), one remote call per actor; Ray pickles
-them there, each actor steps its share on a thread pool of its own (a
-:class:`~atgrpo.rollout.ThreadStepper`, so programs run in the sandbox of the actor's node) and
-sends the stepped envs back with their outcomes, which the driver puts back in order. The
-rollout continues from those copies, exactly as from envs stepped in place.
+With ``backend.num_env_workers: N`` (> 0) the rollout's :class:`~atgrpo.algo.rollout.EnvStepper` is
+a :class:`RayEnvStepper`. For every agent turn the driver deals the K branches of all tasks
+round-robin to the N actors (env i to actor i mod N), one remote call per actor; Ray pickles them
+there, each actor steps its share on a thread pool of its own (a
+:class:`~atgrpo.algo.rollout.ThreadStepper`, so programs run in the sandbox of the actor's node) and
+sends the stepped envs back with their outcomes, which the driver puts back in order. The rollout
+continues from those copies, exactly as from envs stepped in place.
 
 Envs therefore travel by pickle: the built-in ones do, and the code and math envs leave their
 dataset out and find it again by their config, read once per process (docs/cluster.md). The
@@ -22,10 +22,10 @@ from typing import Any
 
 import ray
 
+from atgrpo.algo.rollout import ThreadStepper
 from atgrpo.config import Config
 from atgrpo.distributed.cluster import get_all, worker_env_vars
 from atgrpo.envs import MultiAgentEnv, StepOutcome
-from atgrpo.rollout import ThreadStepper
 
 
 class EnvWorker:
@@ -45,7 +45,7 @@ class EnvWorker:
 
 
 class RayEnvStepper:
-    """An :class:`~atgrpo.rollout.EnvStepper` over ``backend.num_env_workers`` Ray actors."""
+    """An :class:`~atgrpo.algo.rollout.EnvStepper` over ``backend.num_env_workers`` Ray actors."""
 
     def __init__(self, cfg: Config) -> None:
         backend = cfg.backend

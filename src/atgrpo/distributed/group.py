@@ -7,7 +7,8 @@ actors placed in a placement group of their own, so each group gets the CPUs and
 
 * :class:`RemoteGenerator` (the :class:`atgrpo.generation.Generator` protocol), which splits a
   batch of prompts over the group's ranks and hands over the driver's RNG state, and
-* :class:`RemoteLearner` (the :class:`atgrpo.runtime.Learner` protocol): an update that splits the
+* :class:`RemoteLearner` (the :class:`atgrpo.training.runtime.Learner` protocol): an update that
+splits the
   policy's samples over the ranks and returns the step's ``UpdateStats`` as a future (so the
   groups of several policies step at the same time), the learning rate, and checkpoint save and
   restore, which the workers do on their own nodes.
@@ -25,13 +26,13 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from atgrpo.algo.records import Sample
+from atgrpo.algo.update import UpdateSettings, UpdateStats
 from atgrpo.config import Config, Sharding, WorkerGroupConfig
 from atgrpo.distributed.cluster import RayConnection, get_all, worker_env_vars
 from atgrpo.distributed.layout import group_resources, worker_groups
 from atgrpo.distributed.worker import PolicyWorker
-from atgrpo.generation import Generation
-from atgrpo.records import Sample
-from atgrpo.update import UpdateSettings, UpdateStats
+from atgrpo.generation import Generation, SamplingParams
 
 
 class PolicyGroup:
@@ -104,21 +105,11 @@ class RemoteGenerator:
     def __init__(self, group: PolicyGroup, policy_id: str) -> None:
         self.group, self.policy_id = group, policy_id
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float | None,
-        top_k: int,
-        top_p: float,
-    ) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         rng = torch.get_rng_state()
         shards = _contiguous(prompts, len(self.group.workers))
         refs = [
-            worker.generate.remote(
-                self.policy_id, shard, max_new_tokens, temperature, top_k, top_p, rng
-            )
+            worker.generate.remote(self.policy_id, shard, params, rng)
             for worker, shard in zip(self.group.workers, shards, strict=True)
             if shard
         ]
@@ -135,7 +126,7 @@ class RemoteGenerator:
 
 
 class RemoteLearner:
-    """One policy's trainer in its worker group (a :class:`atgrpo.runtime.Learner`)."""
+    """One policy's trainer in its worker group (a :class:`atgrpo.training.runtime.Learner`)."""
 
     def __init__(self, group: PolicyGroup, policy_id: str) -> None:
         self.group, self.policy_id = group, policy_id

@@ -6,7 +6,7 @@ policy's worker group hold one shard each of its trainable model instead of a fu
 * **Per decoder layer.** ``torch.distributed.fsdp.fully_shard`` wraps every block the model's
   class names in ``_no_split_modules``, then the whole model (embeddings, norm and head). A
   forward or backward gathers one block's weights at a time; its gradients are reduce-scattered
-  (summed: the loss is normalised by the whole batch's counts, :mod:`atgrpo.update`). AdamW is
+  (summed: the loss is normalised by the whole batch's counts, :mod:`atgrpo.algo.update`). AdamW is
   built over the shards, so its state is sharded too. On a GPU with ``model.precision`` bf16 the
   blocks compute in bf16 and reduce in fp32 over fp32 master shards; on CPU (gloo, for tests)
   they keep the replicate path's bf16 autocast or fp32.
@@ -29,34 +29,20 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from atgrpo.checkpoint import SHARDED_DIR, save_full_weights, save_torch
-from atgrpo.policies import Policy
-
-SCHEDULER_FILE = "scheduler.pt"  # beside it: the LR schedule (rank 0)
+from atgrpo.algo.policy import Policy
 
 __all__ = [
     "ShardSizes",
     "ShardedPolicy",
     "decoder_layers",
     "full_tensor",
-    "load_sharded_state",
     "local_tensor",
-    "save_sharded",
     "shard_policies",
     "shard_sizes",
 ]
@@ -206,55 +192,3 @@ def shard_sizes(policy: Policy) -> ShardSizes:
         sum(local_tensor(t).numel() for t in state),
         sum(t.numel() for t in state),
     )
-
-
-# -- checkpoints -------------------------------------------------------------------------------
-
-
-def _trainable_state(policy: Policy) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The policy's trainable weights and optimizer state as FQN-keyed (sharded) dicts."""
-    policy.activate()  # L2: this adapter trainable, the others and the base frozen
-    options = StateDictOptions(ignore_frozen_params=True)
-    model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer, options=options)
-    return model_sd, optim_sd
-
-
-def save_sharded(policy: Policy, out: Path, rank: int) -> str:
-    """``policy-<id>/``: every rank's shards; rank 0 the full weights, tokenizer and schedule.
-
-    A collective: every rank of the group calls it. Returns the policy's kind as
-    :func:`atgrpo.checkpoint.save_policy` does.
-    """
-    full = get_model_state_dict(
-        policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )  # gathered onto rank 0 (in CPU memory) one tensor at a time; empty on the others
-    if rank == 0:
-        save_full_weights(policy, out, full)
-        policy.tokenizer.save_pretrained(out)
-        save_torch({"scheduler": policy.scheduler.state_dict()}, out / SCHEDULER_FILE)
-    del full
-    dist.barrier()  # the folder exists before the shards go in
-    model_sd, optim_sd = _trainable_state(policy)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / SHARDED_DIR))
-    dist.barrier()  # every rank's shards are written before the driver commits the checkpoint
-    return "lora" if policy.adapter is not None else "model"
-
-
-def load_sharded_state(folder: Path, policy: Policy) -> None:
-    """Load a sharded checkpoint's weights and optimizer state into ``policy``.
-
-    Any layout: the shards of N ranks onto M ranks of a sharded group, or into one process.
-    """
-    model_sd, optim_sd = _trainable_state(policy)
-    state = {"model": model_sd, "optim": optim_sd}
-    alone = not (dist.is_available() and dist.is_initialized())  # one process: no collectives
-    dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR), no_dist=alone)
-    set_state_dict(
-        policy.model,
-        policy.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=StateDictOptions(ignore_frozen_params=True),
-    )
-    saved = torch.load(folder / SCHEDULER_FILE, weights_only=False)
-    policy.scheduler.load_state_dict(saved["scheduler"])

@@ -9,8 +9,8 @@ calls the functions the single-process loop calls (``generate``, ``ppo_update``,
   process (on CPU the runs are then identical). Ranks above 0 (generating other shards) and CUDA
   generators are seeded from that stream, so runs repeat but differ from one process.
 * **Data parallelism.** With several ranks, ``torch.distributed`` (gloo on CPU, nccl on GPU)
-  joins the group's workers; ``ppo_update`` gets a group whose ``all_reduce`` sums over them.
-  With ``sharding: shard`` the group's models are sharded (FSDP2, :mod:`atgrpo.sharding`),
+  joins the group's workers; ``ppo_update`` gets a group whose ``all_reduce`` sums over them. With
+  ``sharding: shard`` the group's models are sharded (FSDP2, :mod:`atgrpo.distributed.sharding`),
   generation runs on each rank's rollout copy, and saving is a collective of every rank.
 
 The class is plain Python; group.py turns it into a Ray actor with ``ray.remote``.
@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 from atgrpo import checkpoint as ckpt
-from atgrpo import sharding
+from atgrpo.algo.records import Sample
+from atgrpo.algo.update import DataParallel, UpdateSettings, UpdateStats, ppo_update
 from atgrpo.config import Config
-from atgrpo.generation import Generation
+from atgrpo.distributed import sharding
+from atgrpo.generation import Generation, SamplingParams
 from atgrpo.policies import build_generators, build_policies, with_params
-from atgrpo.records import Sample
-from atgrpo.update import DataParallel, UpdateSettings, UpdateStats, ppo_update
 
 
 class PolicyWorker:
@@ -119,10 +119,7 @@ class PolicyWorker:
         self,
         policy_id: str,
         prompts: list[list[int]],
-        max_new_tokens: int,
-        temperature: float | None,
-        top_k: int,
-        top_p: float,
+        params: SamplingParams,
         rng_state: torch.Tensor,
     ) -> tuple[list[Generation], torch.Tensor]:
         """Sample from the driver's RNG stream; return the generations and the stream after."""
@@ -131,13 +128,7 @@ class PolicyWorker:
             torch.manual_seed(int(torch.randint(2**62, (1,))) + self.rank)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(int(torch.randint(2**62, (1,))))
-        generations = self.generators[policy_id].generate(
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-        )
+        generations = self.generators[policy_id].generate(prompts, params)
         return generations, torch.get_rng_state()
 
     def update(
@@ -162,9 +153,8 @@ class PolicyWorker:
 
     def save(self, policy_id: str, out: str) -> str:
         """The policy's checkpoint folder: rank 0 alone, or with sharding every rank."""
-        if self.sharded:
-            return sharding.save_sharded(self.policies[policy_id], Path(out), self.rank)
-        return ckpt.save_policy(self.policies[policy_id], Path(out))
+        rank = self.rank if self.sharded else None
+        return ckpt.save_policy(self.policies[policy_id], Path(out), shard_rank=rank)
 
     def shard_sizes(self, policy_id: str) -> sharding.ShardSizes:
         """What this rank holds of the policy's trainable weights and optimizer state."""

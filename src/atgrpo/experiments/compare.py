@@ -44,15 +44,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from atgrpo import checkpoint as ckpt
 from atgrpo.config import Config, ConfigError, config_from_raw, dump_config, read_raw_config
 from atgrpo.envs import Split
-from atgrpo.evaluate import EvalReport, report_from_record, write_eval_json
-from atgrpo.intervals import Interval, difference_interval, success_interval
+from atgrpo.experiments.intervals import Interval, difference_interval, success_interval
+from atgrpo.training.evaluation import EvalReport, report_from_record, write_eval_json
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Benchmark(_Strict):
+class BenchmarkSpec(_Strict):
     name: str = Field(description="Column title.")
     env: dict[str, Any] | None = Field(
         None, description="An env section; replaces each method's env except its workflow."
@@ -114,7 +114,7 @@ class Comparison(_Strict):
     eval: dict[str, Any] = Field(
         default_factory=dict, description="eval.* settings for every cell (num_tasks, ...)."
     )
-    benchmarks: list[Benchmark] = Field(min_length=1, description="Columns.")
+    benchmarks: list[BenchmarkSpec] = Field(min_length=1, description="Columns.")
     methods: list[Method] = Field(min_length=1, description="Rows; the first is the baseline.")
 
     @model_validator(mode="after")
@@ -153,7 +153,7 @@ def load_comparison(path: str | Path) -> Comparison:
 
 
 @dataclass
-class Cell:
+class TableCell:
     """One method on one benchmark: an evaluation per seed (one for an untrained method)."""
 
     method: str
@@ -191,7 +191,7 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
 
 
-def cell_config(comparison: Comparison, method: Method, bench: Benchmark) -> Config:
+def cell_config(comparison: Comparison, method: Method, bench: BenchmarkSpec) -> Config:
     """The method's config with the benchmark's env and the comparison's eval settings."""
     raw = read_raw_config(method.config)
     if bench.env is not None:
@@ -211,7 +211,7 @@ class RunSpec:
     """One training run a comparison needs: a `train: true` method, a benchmark, a seed."""
 
     method: Method
-    bench: Benchmark
+    bench: BenchmarkSpec
     seed: int
     cfg: Config  # the training config: the cell's, with the run's folder, seed and checkpoints
 
@@ -233,7 +233,7 @@ RUN_OVERRIDES = (
 )
 
 
-def run_spec(comparison: Comparison, method: Method, bench: Benchmark, seed: int) -> RunSpec:
+def run_spec(comparison: Comparison, method: Method, bench: BenchmarkSpec, seed: int) -> RunSpec:
     base = cell_config(comparison, method, bench)
     folder = Path(comparison.output_dir) / "runs" / slug(bench.name) / slug(method.label)
     run = [f"run.output_dir={folder}", f"run.name=seed{seed}", f"run.seed={seed}"]
@@ -266,7 +266,7 @@ class NotTrainedError(ConfigError):
 
 
 def cell_checkpoints(
-    comparison: Comparison, method: Method, bench: Benchmark
+    comparison: Comparison, method: Method, bench: BenchmarkSpec
 ) -> tuple[list[int], list[Path | None]]:
     """The seeds and checkpoints a cell evaluates: the method's own, or its trained runs."""
     trainer = method
@@ -321,9 +321,9 @@ def cached_evaluation(
 def run_comparison(
     comparison: Comparison,
     evaluate: Evaluator = evaluate_cell,
-    on_cell: Callable[[Cell], None] | None = None,
+    on_cell: Callable[[TableCell], None] | None = None,
     cache: bool = True,
-) -> list[Cell]:
+) -> list[TableCell]:
     """Every method on every benchmark, in table order; evaluations cached under output_dir."""
     cells = []
     for bench in comparison.benchmarks:
@@ -340,7 +340,7 @@ def run_comparison(
                 else:
                     reports.append(evaluate(cfg, checkpoint, comparison.split))
             names = [str(c or "") for c in checkpoints]
-            cell = Cell(
+            cell = TableCell(
                 method.label, bench.name, reports, names, method.config, seeds, method.versus
             )
             cells.append(cell)
@@ -349,7 +349,7 @@ def run_comparison(
     return cells
 
 
-def _cache_path(comparison: Comparison, method: Method, bench: Benchmark, seed: int) -> Path:
+def _cache_path(comparison: Comparison, method: Method, bench: BenchmarkSpec, seed: int) -> Path:
     folder = Path(comparison.output_dir) / "evals" / slug(bench.name) / slug(method.label)
     return folder / f"seed{seed}.json"
 
@@ -358,21 +358,21 @@ def _cache_path(comparison: Comparison, method: Method, bench: Benchmark, seed: 
 # Tables
 
 
-def _grid(cells: list[Cell]) -> tuple[list[str], list[str], dict[tuple[str, str], Cell]]:
+def _grid(cells: list[TableCell]) -> tuple[list[str], list[str], dict[tuple[str, str], TableCell]]:
     methods = list(dict.fromkeys(c.method for c in cells))
     benchmarks = list(dict.fromkeys(c.benchmark for c in cells))
     return methods, benchmarks, {(c.method, c.benchmark): c for c in cells}
 
 
-def _baseline(cell: Cell, methods: list[str]) -> str:
+def _baseline(cell: TableCell, methods: list[str]) -> str:
     return cell.versus or methods[0]
 
 
-def _delta(cell: Cell, base: Cell) -> Interval:
+def _delta(cell: TableCell, base: TableCell) -> Interval:
     return difference_interval(cell.solved(), base.solved(), cell.report.samples_per_task)
 
 
-def table_rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
+def table_rows(cells: list[TableCell]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the paper-style table: success % [95 % interval] per benchmark, and
     the difference to the first row (or the row's ``versus``) in points [its paired 95 %
     interval], naming a ``versus`` row."""
@@ -393,7 +393,7 @@ def table_rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
     return ["Method", "seeds", *benchmarks], rows
 
 
-def markdown_table(cells: list[Cell]) -> str:
+def markdown_table(cells: list[TableCell]) -> str:
     header, rows = table_rows(cells)
     first = cells[0].report
     sampling = f"avg@{first.samples_per_task} (sampled)" if first.samples_per_task > 1 else "greedy"
@@ -432,7 +432,7 @@ CSV_COLUMNS = (
 )
 
 
-def write_csv(cells: list[Cell], path: Path) -> None:
+def write_csv(cells: list[TableCell], path: Path) -> None:
     """One line per cell, long format, with pass@k columns when n > 1."""
     ks = sorted({k for c in cells for r in c.reports for k in r.pass_at})
     methods, _, grid = _grid(cells)
@@ -461,7 +461,7 @@ def write_csv(cells: list[Cell], path: Path) -> None:
             )
 
 
-def _mean_pass_at(cell: Cell, k: int) -> str:
+def _mean_pass_at(cell: TableCell, k: int) -> str:
     values = [r.pass_at[k] for r in cell.reports if k in r.pass_at]
     return f"{100 * sum(values) / len(values):.2f}" if values else ""
 
@@ -478,12 +478,12 @@ def trained_runs(comparison: Comparison) -> dict[str, dict[str, list[Path]]]:
 
 def write_curves(comparison: Comparison) -> Path | None:
     """``<output_dir>/curves.png``: the trained rows' learning curves (None: nothing trained)."""
-    from atgrpo.report.comparison import write_curves as draw
+    from atgrpo.report.comparison import plot_curves
 
-    return draw(trained_runs(comparison), Path(comparison.output_dir) / "curves.png")
+    return plot_curves(trained_runs(comparison), Path(comparison.output_dir) / "curves.png")
 
 
-def write_tables(cells: list[Cell], output_dir: Path) -> tuple[Path, Path]:
+def write_tables(cells: list[TableCell], output_dir: Path) -> tuple[Path, Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
     md, table_csv = output_dir / "table.md", output_dir / "table.csv"
     md.write_text(markdown_table(cells), encoding="utf-8")

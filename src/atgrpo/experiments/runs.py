@@ -1,12 +1,12 @@
 """Training the runs a comparison needs, resumably: ``atgrpo compare FILE --train``.
 
 Each ``train: true`` method of a comparison file is trained once per seed and benchmark
-(:func:`atgrpo.compare.planned_runs`) into ``<output_dir>/runs/<benchmark>/<method>/seed<n>``.
-A run is its own ``atgrpo train`` process with the cell's config written next to it, so one
-run failing or being stopped leaves the others alone. Runs checkpoint every 5 steps
-(:data:`atgrpo.compare.RUN_OVERRIDES`), and on SIGINT / SIGTERM at the next step boundary. The
-next ``--train`` skips the finished runs, resumes the unfinished ones from their last
-checkpoint, and starts those never checkpointed afresh.
+(:func:`atgrpo.experiments.compare.planned_runs`) into
+``<output_dir>/runs/<benchmark>/<method>/seed<n>``. A run is its own ``atgrpo train`` process with
+the cell's config written next to it, so one run failing or being stopped leaves the others alone.
+Runs checkpoint every 5 steps (:data:`atgrpo.experiments.compare.RUN_OVERRIDES`), and on SIGINT /
+SIGTERM at the next step boundary. The next ``--train`` skips the finished runs, resumes the
+unfinished ones from their last checkpoint, and starts those never checkpointed afresh.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from atgrpo import checkpoint as ckpt
-from atgrpo.compare import Comparison, RunSpec, finished_checkpoint, planned_runs, slug
 from atgrpo.config import dump_config
+from atgrpo.experiments.compare import Comparison, RunSpec, finished_checkpoint, planned_runs, slug
 
 
 class RunFailedError(RuntimeError):

@@ -3,8 +3,16 @@
 :class:`VLLMGenerator` needs the optional ``vllm`` extra only when an engine is started.
 """
 
-from atgrpo.generation.base import Generation, Generator
+from atgrpo.generation.base import Generation, Generator, SamplingParams
 from atgrpo.generation.hf import HFGenerator
 from atgrpo.generation.vllm import VLLMEngine, VLLMGenerator, VLLMSettings
 
-__all__ = ["Generation", "Generator", "HFGenerator", "VLLMEngine", "VLLMGenerator", "VLLMSettings"]
+__all__ = [
+    "Generation",
+    "Generator",
+    "HFGenerator",
+    "SamplingParams",
+    "VLLMEngine",
+    "VLLMGenerator",
+    "VLLMSettings",
+]

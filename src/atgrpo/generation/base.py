@@ -24,24 +24,26 @@ class Generation:
     finished: bool  # ended with an end-of-sequence token (False: cut at max_new_tokens)
 
 
-class Generator(Protocol):
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float | None,
-        top_k: int,
-        top_p: float,
-    ) -> list[Generation]:
-        """One response per prompt, in order.
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one batch of responses is decoded; every field chosen by the config (invariant 9).
 
-        ``temperature=None`` decodes greedily (``top_k`` and ``top_p`` are then ignored).
-        Otherwise each token is drawn from the tempered distribution cut to the ``top_k`` most
-        likely tokens (0: off, the whole vocabulary), then to the smallest set of the most likely
-        remaining tokens whose probability reaches ``top_p`` (1.0: off), renormalised. Nothing
-        is taken from the model's own generation config.
-        """
+    ``temperature=None`` decodes greedily (``top_k`` and ``top_p`` are then ignored). Otherwise
+    each token is drawn from the tempered distribution cut to the ``top_k`` most likely tokens
+    (0: off, the whole vocabulary), then to the smallest set of the most likely remaining tokens
+    whose probability reaches ``top_p`` (1.0: off), renormalised. Nothing is taken from the
+    model's own generation config.
+    """
+
+    max_new_tokens: int
+    temperature: float | None  # None: greedy
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One response per prompt, in order, decoded as ``params`` say."""
         ...
 
     def sync_weights(self) -> None:

@@ -1,13 +1,13 @@
 """Generation with Hugging Face transformers' ``generate``.
 
-**Sampling.** One logits processor of ours, :class:`_Sampler`, does the whole sampling step:
-it tempers the logits, keeps the top-k, then the top-p of what is left, renormalises
-(:func:`process_logits`), draws the token by inverse CDF (:func:`draw`), records its log-prob
-and returns scores that make the choice certain (0 for the drawn token, -inf elsewhere).
+**Sampling.** One logits processor of ours, :class:`_Sampler`, does the whole sampling step: it
+tempers the logits, keeps the top-k, then the top-p of what is left, renormalises
+(:func:`process_logits`), draws the token by inverse CDF (:func:`sample_inverse_cdf`), records its
+log-prob and returns scores that make the choice certain (0 for the drawn token, -inf elsewhere).
 ``generate`` runs greedy (``do_sample=False``): its argmax takes our token, and the warpers of
-transformers (temperature, top-k, top-p, min-p, typical-p, ...), which it builds only when
-sampling, never run. The recorded log-prob is thus that of the distribution the token was
-drawn from. Only one (N, V) tensor of a step is alive, not ``output_scores``' (steps, N, V).
+transformers (temperature, top-k, top-p, min-p, typical-p, ...), which it builds only when sampling,
+never run. The recorded log-prob is thus that of the distribution the token was drawn from. Only one
+(N, V) tensor of a step is alive, not ``output_scores``' (steps, N, V).
 
 **Shared prefill** (``share_prefill=True``). The rollout asks for K samples of each prompt, so
 a batch repeats every prompt K times. Each distinct prompt is prefilled once: one forward of
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from atgrpo.generation.base import Generation
+from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.models import autocast_for
 
 # Every GenerationConfig field that changes which token comes next, the decoding mode or what
@@ -164,10 +164,10 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(dropped, -math.inf)
 
 
-_BLOCK = 256  # tokens per block of the two-level inverse CDF in draw
+_BLOCK = 256  # tokens per block of the two-level inverse CDF in sample_inverse_cdf
 
 
-def draw(
+def sample_inverse_cdf(
     probs: torch.Tensor,  # (N, V) >= 0, each row with a positive sum
     u: torch.Tensor | None = None,  # (N, 1) float64 uniforms in [0, 1); None: torch.rand
 ) -> torch.Tensor:  # (N, 1) long
@@ -235,7 +235,7 @@ class _Sampler(LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logprobs = process_logits(scores, self.temperature, self.top_k, self.top_p)  # (N, V)
-        token = draw(logprobs.exp())  # (N, 1)
+        token = sample_inverse_cdf(logprobs.exp())  # (N, 1)
         self.logprobs.append(logprobs.gather(-1, token).squeeze(-1))
         # Greedy decoding's argmax must pick the drawn token: nothing else is possible.
         return torch.full_like(scores, -math.inf).scatter_(-1, token, 0.0)
@@ -277,24 +277,16 @@ class HFGenerator:
     def sync_weights(self) -> None:
         """Nothing to do: generation runs on the training model itself."""
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float | None,
-        top_k: int,
-        top_p: float,
-    ) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         sampler_args = None
-        if temperature is not None:
-            check_sampling(temperature, top_k, top_p)
-            sampler_args = (temperature, top_k, top_p)
+        if params.temperature is not None:
+            check_sampling(params.temperature, params.top_k, params.top_p)
+            sampler_args = (params.temperature, params.top_k, params.top_p)
         out: list[Generation] = []
         step = self.max_batch_size or max(1, len(prompts))
         for start in range(0, len(prompts), step):
             chunk = prompts[start : start + step]
-            out.extend(self._generate_batch(chunk, max_new_tokens, sampler_args))
+            out.extend(self._generate_batch(chunk, params.max_new_tokens, sampler_args))
         return out
 
     @torch.no_grad()

@@ -59,7 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from atgrpo.generation.base import Generation
+from atgrpo.adapters import save_adapter
+from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.generation.hf import check_sampling, eos_token_ids
 
 VLLM_MISSING = (
@@ -67,7 +68,6 @@ VLLM_MISSING = (
     "CPU); on a CUDA machine: pip install vllm"
 )
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
-_ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file name peft and vLLM read
 
 
 def require_vllm() -> None:
@@ -153,51 +153,28 @@ class VLLMEngine:
     def generate(
         self,
         prompts: list[list[int]],
+        params: SamplingParams,
         *,
-        max_new_tokens: int,
-        temperature: float | None,
-        top_k: int,
-        top_p: float,
         stop_ids: list[int],
         lora: Any | None = None,
     ) -> list[tuple[list[int], list[float], bool]]:
         """(token ids, sampled log-probs, ended with a stop id) per prompt, in order."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if not prompts:
             return []
-        sample = temperature is not None
-        if temperature is not None:
-            check_sampling(temperature, top_k, top_p)
+        sample = params.temperature is not None
+        if params.temperature is not None:
+            check_sampling(params.temperature, params.top_k, params.top_p)
         # One seed per request, drawn from torch's stream: a run reseeded per step repeats.
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist() if sample else None
-        params = [
-            SamplingParams(
-                temperature=temperature if sample else 0.0,  # 0: greedy
-                # 0 is off in vLLM >= 0.32 (-1 too); greedy ignores both.
-                top_k=top_k if sample else 0,
-                top_p=top_p if sample else 1.0,
-                # Neutral: nothing else shapes the distribution the log-probs are of.
-                min_p=0.0,
-                presence_penalty=0.0,
-                frequency_penalty=0.0,
-                repetition_penalty=1.0,
-                logit_bias=None,
-                allowed_token_ids=None,
-                bad_words=None,
-                min_tokens=0,
-                max_tokens=max_new_tokens,
-                logprobs=0 if sample else None,  # 0: only the sampled token's log-prob
-                seed=seeds[i] if seeds is not None else None,
-                stop_token_ids=stop_ids,
-                detokenize=False,  # prompts and responses are token ids; we decode
-            )
+        requests = [
+            _vllm_params(params, stop_ids, seeds[i] if seeds is not None else None)
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            params,
+            requests,
             use_tqdm=False,
             lora_request=lora,
         )
@@ -254,32 +231,16 @@ class VLLMGenerator:
         self._version = 0
         self.sync_weights()
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float | None,
-        top_k: int,
-        top_p: float,
-    ) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         longest = max((len(p) for p in prompts), default=0)
-        if longest + max_new_tokens > self.engine.max_model_len:
+        if longest + params.max_new_tokens > self.engine.max_model_len:
             # vLLM would cut the response at max_model_len, unlike the HF engine.
             raise ValueError(
-                f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
-                f"vLLM engine's max_model_len {self.engine.max_model_len}: raise "
+                f"a prompt of {longest} tokens + max_new_tokens {params.max_new_tokens} exceeds "
+                f"the vLLM engine's max_model_len {self.engine.max_model_len}: raise "
                 "rollout.vllm.max_model_len"
             )
-        outs = self.engine.generate(
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=self.stop_ids,
-            lora=self._lora,
-        )
+        outs = self.engine.generate(prompts, params, stop_ids=self.stop_ids, lora=self._lora)
         return [
             Generation(
                 tokens,
@@ -306,20 +267,28 @@ class VLLMGenerator:
             shutil.rmtree(old.lora_path)
 
 
-def save_adapter(
-    model: Any, adapter: str, folder: Path, state_dict: dict[str, Any] | None = None
-) -> None:
-    """One peft adapter alone, as peft's ``save_pretrained`` writes it (config + weights).
+def _vllm_params(params: SamplingParams, stop_ids: list[int], seed: int | None) -> Any:
+    """vLLM's sampling parameters for one request: ours, and every other field neutral."""
+    from vllm import SamplingParams as VLLMSamplingParams
 
-    ``state_dict``: the model's full weights when they are not its own parameters (gathered
-    from a sharded model, :mod:`atgrpo.sharding`).
-    """
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True)
-    state = get_peft_model_state_dict(model, state_dict=state_dict, adapter_name=adapter)
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in state.items()}, folder / _ADAPTER_WEIGHTS
+    sample = params.temperature is not None
+    return VLLMSamplingParams(
+        temperature=params.temperature if params.temperature is not None else 0.0,  # 0: greedy
+        # 0 is off in vLLM >= 0.32 (-1 too); greedy ignores both.
+        top_k=params.top_k if sample else 0,
+        top_p=params.top_p if sample else 1.0,
+        # Neutral: nothing else shapes the distribution the log-probs are of.
+        min_p=0.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        logit_bias=None,
+        allowed_token_ids=None,
+        bad_words=None,
+        min_tokens=0,
+        max_tokens=params.max_new_tokens,
+        logprobs=0 if sample else None,  # 0: only the sampled token's log-prob
+        seed=seed,
+        stop_token_ids=stop_ids,
+        detokenize=False,  # prompts and responses are token ids; we decode
     )
-    model.peft_config[adapter].save_pretrained(str(folder))  # adapter_config.json

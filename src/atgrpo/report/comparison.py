@@ -41,7 +41,7 @@ def _seed_matrix(run_dirs: list[Path], key: str) -> tuple[np.ndarray, np.ndarray
     return np.array(steps), np.array([[s[t] for t in steps] for s in series])
 
 
-def write_curves(
+def plot_curves(
     methods: dict[str, dict[str, list[Path]]],  # benchmark -> method label -> its run folders
     out: Path,
 ) -> Path | None:

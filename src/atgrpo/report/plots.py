@@ -233,7 +233,7 @@ def make_plots(runs: list[Run]) -> Figures:
         if series and all(v == 0 for _, _, c in series for v in c.values):
             zero.append(spec.title)
         elif series:
-            plots.append(draw(spec, runs, series))
+            plots.append(draw_plot(spec, runs, series))
     return Figures(plots, zero)
 
 
@@ -241,7 +241,7 @@ def _series(spec: PlotSpec, runs: list[Run]) -> list[tuple[int, Run, Curve]]:
     return [(i, run, c) for i, run in enumerate(runs) for c in spec.curves(run) if c.steps]
 
 
-def draw(spec: PlotSpec, runs: list[Run], series: list[tuple[int, Run, Curve]]) -> Plot:
+def draw_plot(spec: PlotSpec, runs: list[Run], series: list[tuple[int, Run, Curve]]) -> Plot:
     fig = Figure(figsize=(6.0, 3.3), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     labels_in_run: dict[int, list[str]] = {}

@@ -28,11 +28,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from atgrpo.algo.records import Rollout
+from atgrpo.algo.rollout import EncodeMessages, EnvStepper, collect_rollout
 from atgrpo.config import Config
 from atgrpo.envs import MultiAgentEnv, Split, make_env, split_seeds
 from atgrpo.generation import Generator
-from atgrpo.rollout import EnvStepper, PromptEncoder, collect_rollout
-from atgrpo.settings import eval_rollout_settings
+from atgrpo.training.settings import eval_rollout_settings
 
 # Seeds drawn per requested task at most when the env cannot say how many instances its split
 # has (generated puzzles): a small grid may have fewer distinct instances than asked for.
@@ -210,12 +211,12 @@ def _shortfall_note(split: Split, asked: int, found: int, size: int | None, draw
     )
 
 
-def evaluate(
+def evaluate_held_out(
     cfg: Config,
     *,
     generators: dict[str, Generator],
     policy_of: dict[str, str],
-    encode: PromptEncoder | Mapping[str, PromptEncoder],
+    encode: EncodeMessages | Mapping[str, EncodeMessages],
     split: Split,
     num_tasks: int,
     stepper: EnvStepper | None = None,
@@ -226,11 +227,10 @@ def evaluate(
     The tasks are :func:`held_out_tasks`'s: when the split has fewer distinct tasks, all of them
     run, ``EvalReport.num_tasks`` is the number scored (every rate divides by it) and
     ``EvalReport.note`` says so, for the caller to print. ``stepper`` (or ``pool``, short for a
-    :class:`~atgrpo.rollout.ThreadStepper` on it) steps the envs, as in
-    :func:`~atgrpo.rollout.collect_rollout`.
+    :class:`~atgrpo.algo.rollout.ThreadStepper` on it) steps the envs, as in
+    :func:`~atgrpo.algo.rollout.collect_rollout`.
     """
     envs, seeds, note = held_out_tasks(cfg, split, num_tasks)
-    n = cfg.eval.samples_per_task
     settings = eval_rollout_settings(cfg, envs[0].possible_agents)
     keys = [instance_key(env) for env in envs]  # before the rollout moves the envs on
     with torch.random.fork_rng():
@@ -245,6 +245,20 @@ def evaluate(
             stepper=stepper,
             pool=pool,
         )
+    return _report(cfg, split, rollout, seeds, keys, note, num_tasks)
+
+
+def _report(
+    cfg: Config,
+    split: Split,
+    rollout: Rollout,
+    seeds: list[int],
+    keys: list[str | None],
+    note: str,
+    requested: int,
+) -> EvalReport:
+    """Score a held-out rollout: success per task (c of n), rates per agent, pass@k."""
+    n = cfg.eval.samples_per_task
     valid: dict[str, list[float]] = defaultdict(list)
     reward: dict[str, list[float]] = defaultdict(list)
     for s in rollout.samples:
@@ -252,12 +266,11 @@ def evaluate(
         reward[s.agent_id].append(s.reward)
     episodes = rollout.episodes
     solved = [0] * len(seeds)  # c per task
-    for e in episodes:
-        solved[e.task_id] += int(e.success)
-    ks = sorted({k for k in cfg.eval.pass_k if k <= n} | {n}) if n > 1 else []
     returns: dict[int, list[float]] = defaultdict(list)
     for e in episodes:
+        solved[e.task_id] += int(e.success)
         returns[e.task_id].append(e.team_return)
+    ks = sorted({k for k in cfg.eval.pass_k if k <= n} | {n}) if n > 1 else []
     tasks = [
         TaskResult(i, seed, keys[i], solved[i], len(returns[i]), sum(returns[i]) / len(returns[i]))
         for i, seed in enumerate(seeds)
@@ -271,7 +284,7 @@ def evaluate(
         mean_reward={a: sum(v) / len(v) for a, v in reward.items()},
         samples_per_task=n,
         pass_at={k: sum(pass_at_k(n, c, k) for c in solved) / len(solved) for k in ks},
-        requested_tasks=num_tasks,
+        requested_tasks=requested,
         note=note,
         tasks=tasks,
     )

@@ -13,69 +13,46 @@ folder at a time (``train.lock``); SIGTERM stops the loop after the current step
 checkpoint first. Every
 implementation choice (envs, policies and their regime L0-L3, generators, routing, settings,
 and where policies live: this process or Ray worker groups, ``backend``) is made once, in
-:func:`atgrpo.runtime.build_runtime`, before the loop; the rollout, advantage and update
-settings come from :mod:`atgrpo.settings`, and the loggers of ``run.loggers`` from
-:func:`atgrpo.tracking.build_loggers`. What a run writes is listed in docs/outputs.md.
+:func:`atgrpo.training.runtime.build_runtime`, before the loop; the rollout, advantage and update
+settings come from :mod:`atgrpo.training.settings`, and the loggers of ``run.loggers`` from
+:func:`atgrpo.training.tracking.build_loggers`. What a run writes is listed in docs/outputs.md.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import math
-import os
-import signal
-import socket
-import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from atgrpo import checkpoint as ckpt
-from atgrpo.advantage import AdvantageStats, Grouping, assign_advantages
-from atgrpo.config import BackendKind, Config, Sampling, dump_config
+from atgrpo.algo.advantage import AdvantageStats, Grouping, assign_advantages
+from atgrpo.algo.records import Rollout, Sample
+from atgrpo.algo.rollout import collect_rollout
+from atgrpo.algo.update import UpdateStats
+from atgrpo.config import BackendKind, Config, Sampling
 from atgrpo.envs import Split, make_env, split_seeds
-from atgrpo.evaluate import EvalReport, instance_key
-from atgrpo.metrics import (
+from atgrpo.policies import route_samples
+from atgrpo.training.evaluation import EvalReport, instance_key
+from atgrpo.training.metrics import (
     group_metrics,
     log_samples,
     perf_metrics,
     rollout_metrics,
     sample_records,
 )
-from atgrpo.policies import route_samples
-from atgrpo.records import Rollout, Sample
-from atgrpo.rollout import collect_rollout
-from atgrpo.runtime import Learner, Runtime, build_runtime, seed_everything
-from atgrpo.settings import advantage_settings, train_rollout_settings, update_settings
-from atgrpo.tracking import Loggers, build_loggers
-from atgrpo.update import UpdateStats
-
-LOCK_FILE = "train.lock"  # in the run folder: held (flock) by the process training there
-LOG_FILES = ("metrics.jsonl", "samples.jsonl")  # JSON lines with a "step", cut back on resume
-# Config keys a resumed run cannot follow: its checkpoint holds other models or policies, or
-# other agents. Changing one needs --force.
-FIXED_ON_RESUME = ("model.path", "policies", "routing", "env.name", "env.workflow")
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue as asked: its folder is in use, or the config
-    changed where a resumed run cannot follow it."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM stopped the run at a safe point, after a step; ``checkpoint`` is where it
-    resumes (None when none was written)."""
-
-    def __init__(self, message: str, checkpoint: Path | None) -> None:
-        super().__init__(message)
-        self.checkpoint = checkpoint
+from atgrpo.training.run_dir import (
+    StopRequest,
+    interruption,
+    prepare_run_dir,
+    run_lock,
+    sigterm_stops,
+)
+from atgrpo.training.runtime import Learner, Runtime, build_runtime, seed_everything
+from atgrpo.training.settings import advantage_settings, train_rollout_settings, update_settings
+from atgrpo.training.tracking import Loggers, build_loggers
 
 
 @dataclass
@@ -257,61 +234,8 @@ def _write_checkpoint(rt: Runtime, step: int, metrics: dict[str, float]) -> Path
     return ckpt.write_checkpoint(cfg.run_dir, step, savers, state)
 
 
-@contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    """Hold ``<run_dir>/train.lock`` while training there; a second process fails at once.
-
-    The lock is an ``flock`` on the file, which holds the holder's pid and host; the kernel
-    drops it when the holder exits or dies, so a file left by a killed run never blocks.
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-            raise TrainError(
-                f"run folder {run_dir} is in use by another atgrpo train (pid {holder}); "
-                "wait for it to end or stop it"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-@dataclass
-class _StopRequest:
-    """Set by SIGTERM: stop at the next safe point."""
-
-    requested: bool = False
-
-
-@contextmanager
-def _sigterm_stops() -> Iterator[_StopRequest]:
-    """SIGTERM asks the loop to stop after the current step; a second one acts at once (the
-    default action). Signal handlers belong to the main thread; elsewhere nothing changes."""
-    stop = _StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def ask(signum: int, frame: object) -> None:
-        stop.requested = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    previous = signal.signal(signal.SIGTERM, ask)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
 def _stop_if_asked(
-    rt: Runtime, stop: _StopRequest, done: int, saved: int, metrics: dict[str, float] | None
+    rt: Runtime, stop: StopRequest, done: int, saved: int, metrics: dict[str, float] | None
 ) -> None:
     """Raise :class:`Interrupted` when SIGTERM came, after checkpointing step ``done`` if
     checkpointing is on and it has none yet (``saved``: the newest committed step, 0: none)."""
@@ -322,154 +246,7 @@ def _stop_if_asked(
         written = _write_checkpoint(rt, done, metrics)
         ckpt.commit_checkpoint(cfg.run_dir, written, cfg.checkpoint.keep)
         saved = done
-    where = f"stopped by SIGTERM after step {done}/{cfg.train.steps}"
-    if saved > 0:
-        checkpoint = ckpt.checkpoint_path(cfg.run_dir, saved)
-        if saved == done:
-            raise Interrupted(f"{where}; checkpoint {checkpoint}: resume with --resume", checkpoint)
-        raise Interrupted(
-            f"{where}; checkpoint.every=0: --resume continues from step {saved}", checkpoint
-        )
-    raise Interrupted(f"{where}; no checkpoint yet: --resume starts again from step 0", None)
-
-
-def _prepare_run_dir(
-    cfg: Config, resume: bool, resume_from: int | None, force: bool
-) -> Path | None:
-    """Refuse to overwrite a run, or rewind it to the checkpoint to resume from (returned; None
-    for a fresh start); write config.yaml."""
-    run_dir = cfg.run_dir
-    start = None
-    if resume:
-        start = ckpt.resume_checkpoint(run_dir, resume_from)
-        if start is None:
-            _warn(f"--resume: {run_dir} has no checkpoint yet: starting from step 0")
-        else:
-            _check_config(cfg, start, force)
-        _rewind(run_dir, 0 if start is None else ckpt.checkpoint_step(start))
-    elif any((run_dir / name).exists() for name in LOG_FILES) or ckpt.latest_checkpoint(run_dir):
-        raise FileExistsError(
-            f"run folder {run_dir} already has a run (metrics or checkpoints); pass --resume to "
-            "continue it or choose another run.name"
-        )
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    return start
-
-
-def _rewind(run_dir: Path, step: int) -> None:
-    """Drop what lies past ``step``: later checkpoints (set aside) and log records (cut)."""
-    moved = ckpt.discard_after(run_dir, step)
-    if moved:
-        where = run_dir / "checkpoints" / ckpt.DISCARDED
-        _warn(f"resume from step {step}: moved the later checkpoints {', '.join(moved)} to {where}")
-    for name in LOG_FILES:
-        # From step 0 nothing is kept: evaluation before training runs again.
-        cut = truncate_jsonl(run_dir / name, step if step > 0 else -1)
-        if cut:
-            _warn(f"resume from step {step}: removed {cut} line(s) of later steps from {name}")
-
-
-def truncate_jsonl(path: Path, last_step: int) -> int:
-    """Cut ``path`` before its first line that is not a whole record of a step up to
-    ``last_step`` (a later step, or a line torn by a kill); return the lines cut. Records are
-    appended in step order, so nothing after that line belongs to the steps kept."""
-    if not path.is_file():
-        return 0
-    keep = 0
-    with path.open("rb") as f:
-        for line in f:
-            if not _record_through(line, last_step):
-                break
-            keep += len(line)
-        else:
-            return 0
-        cut = 1 + sum(1 for _ in f)
-    os.truncate(path, keep)
-    return cut
-
-
-def _record_through(line: bytes, last_step: int) -> bool:
-    if not line.endswith(b"\n"):
-        return False
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return False
-    step = record.get("step") if isinstance(record, dict) else None
-    return isinstance(step, int) and step <= last_step
-
-
-def _check_config(cfg: Config, checkpoint: Path, force: bool) -> None:
-    """List every config key that differs from the checkpoint's, one warning each; refuse a
-    change of :data:`FIXED_ON_RESUME` keys unless ``force``."""
-    saved = _saved_config(cfg, checkpoint)
-    if saved is None:
-        _warn(f"resume from {checkpoint.name}: no saved config to compare this one with")
-        return
-    changes = config_changes(saved, cfg.model_dump(mode="json"))
-    fixed = [c for c in changes if _is_fixed(c[0])]
-    if fixed and not force:
-        listed = "; ".join(_show_change(c) for c in fixed)
-        raise TrainError(
-            f"resume from {checkpoint.name}: the config changed where a resumed run cannot "
-            f"follow it ({listed}); pass --force to resume anyway, or choose another run.name"
-        )
-    for change in changes:
-        forced = " (--force)" if change in fixed else ""
-        _warn(f"resume from {checkpoint.name}: config {_show_change(change)}{forced}")
-
-
-def _saved_config(cfg: Config, checkpoint: Path) -> dict[str, Any] | None:
-    """The config the checkpoint was written under; for an older checkpoint without one, the
-    run folder's config.yaml (that of the run's last start)."""
-    state = ckpt.load_trainer_state(checkpoint)
-    if isinstance(state.get("config"), dict):
-        return dict(state["config"])
-    path = cfg.run_dir / "config.yaml"
-    loaded = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
-    return loaded if isinstance(loaded, dict) else None
-
-
-_UNSET = object()  # a key one of two configs lacks
-
-
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(dotted key, old value, new value) for every leaf that differs, in the configs' order."""
-    a, b = _flatten(old), _flatten(new)
-    keys = dict.fromkeys([*a, *b])
-    return [
-        (k, a.get(k, _UNSET), b.get(k, _UNSET))
-        for k in keys
-        if a.get(k, _UNSET) != b.get(k, _UNSET)
-    ]
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value of every leaf; an empty mapping (``routing: {}``) has none."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _is_fixed(key: str) -> bool:
-    return any(key == k or key.startswith(k + ".") for k in FIXED_ON_RESUME)
-
-
-def _show_change(change: tuple[str, Any, Any]) -> str:
-    key, old, new = change
-
-    def show(value: Any) -> str:
-        return "(unset)" if value is _UNSET else json.dumps(value)
-
-    return f"{key}: {show(old)} -> {show(new)}"
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, ckpt.ResumeWarning, stacklevel=3)
+    raise interruption(cfg.run_dir, done, cfg.train.steps, saved)
 
 
 def train(
@@ -492,9 +269,9 @@ def train(
     (:class:`TrainCallback`). Raises :class:`TrainError` when another
     process trains in the folder, :class:`Interrupted` after SIGTERM.
     """
-    with run_lock(cfg.run_dir), _sigterm_stops() as stop:
+    with run_lock(cfg.run_dir), sigterm_stops() as stop:
         resuming = resume or resume_from is not None
-        start_ckpt = _prepare_run_dir(cfg, resuming, resume_from, force)
+        start_ckpt = prepare_run_dir(cfg, resuming, resume_from, force)
         seed_everything(cfg.run.seed)
         # Before the models, so a missing logger package fails at once. A resumed run's
         # TensorBoard drops the events of the steps it redoes.
@@ -526,7 +303,7 @@ def _run(
     start_ckpt: Path | None,
     loggers: Loggers,
     hooks: Sequence[TrainCallback],
-    stop: _StopRequest,
+    stop: StopRequest,
 ) -> TrainResult:
     cfg = rt.cfg
     start = 0

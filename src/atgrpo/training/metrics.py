@@ -1,9 +1,9 @@
 """What a training step measures, and the records written about its samples.
 
 Pure functions from a step's samples to namespaced metrics (``rollout/``, ``reward/<agent>/``,
-``groups/<agent>/t<turn>/``, ``perf/``) and to the ``samples.jsonl`` records; where the
-metrics go (console, metrics.jsonl, TensorBoard, W&B) is :mod:`atgrpo.tracking`. Every name and
-the samples.jsonl schema are documented in docs/outputs.md.
+``groups/<agent>/t<turn>/``, ``perf/``) and to the ``samples.jsonl`` records; where the metrics go
+(console, metrics.jsonl, TensorBoard, W&B) is :mod:`atgrpo.training.tracking`. Every name and the
+samples.jsonl schema are documented in docs/outputs.md.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from atgrpo.advantage import Grouping, GroupKey, group_key
-from atgrpo.records import Rollout, Sample
+from atgrpo.algo.advantage import Grouping, GroupKey, group_key
+from atgrpo.algo.records import Rollout, Sample
 
 SAMPLES_SCHEMA = 1  # the "schema" field of every samples.jsonl line (docs/outputs.md)
 
@@ -49,8 +49,8 @@ def rollout_metrics(rollout: Rollout) -> dict[str, float]:
 def group_metrics(samples: Sequence[Sample], grouping: Grouping) -> dict[str, float]:
     """Per agent and turn, ``groups/<agent>/t<turn>/...``: the advantage groups and their signal.
 
-    Call it after :func:`atgrpo.advantage.assign_advantages`: the groups are those of
-    :func:`~atgrpo.advantage.group_key` under the run's ``grouping``, so a pooled grouping
+    Call it after :func:`atgrpo.algo.advantage.assign_advantages`: the groups are those of
+    :func:`~atgrpo.algo.advantage.group_key` under the run's ``grouping``, so a pooled grouping
     (agent, turn, trajectory, none) reports the pooled groups its samples fell in. Per (agent,
     turn): ``count`` distinct groups; ``mean_size`` their mean number of members (samples, or
     trajectories under ``trajectory`` grouping, the units that were normalised);
@@ -137,7 +137,7 @@ def sample_parents(samples: Sequence[Sample], tree: bool) -> list[BranchRef | No
 
     Tree sampling: the kept branch of the task's previous (agent, turn); independent sampling:
     the previous step of the same trajectory (task, branch_idx), its only (kept) sample. None
-    for an episode's first action. Relies on the order :func:`atgrpo.rollout.collect_rollout`
+    for an episode's first action. Relies on the order :func:`atgrpo.algo.rollout.collect_rollout`
     records samples in: every task's (or trajectory's) actions in time order.
     """
     lines: dict[tuple[int, int], _Line] = {}

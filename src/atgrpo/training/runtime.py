@@ -1,10 +1,10 @@
 """The runtime of a run: every policy, rollout engine, router and env stepper, built once.
 
-:func:`build_runtime` makes every implementation choice before any loop runs: the envs'
-agents, the policies and their regime L0-L3 (this process, or Ray worker groups with
-``backend.kind: ray``), their rollout engines and prompt encoders, the agent -> policy routing
-and where env steps run. Training (:mod:`atgrpo.train`), evaluation (``atgrpo eval``) and
-comparison (:mod:`atgrpo.compare`) share it, so evaluating never imports the training loop.
+:func:`build_runtime` makes every implementation choice before any loop runs: the envs' agents, the
+policies and their regime L0-L3 (this process, or Ray worker groups with ``backend.kind: ray``),
+their rollout engines and prompt encoders, the agent -> policy routing and where env steps run.
+Training (:mod:`atgrpo.training.loop`), evaluation (``atgrpo eval``) and comparison
+(:mod:`atgrpo.experiments.compare`) share it, so evaluating never imports the training loop.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ import numpy as np
 import torch
 
 from atgrpo import checkpoint as ckpt
+from atgrpo.algo.records import Sample
+from atgrpo.algo.rollout import EnvStepper, ThreadStepper
+from atgrpo.algo.update import UpdateSettings, UpdateStats, ppo_update
 from atgrpo.config import BackendKind, Config
 from atgrpo.envs import Split, make_env
-from atgrpo.evaluate import EvalReport, evaluate
 from atgrpo.generation import Generator
 from atgrpo.policies import (
     Policy,
@@ -33,9 +35,8 @@ from atgrpo.policies import (
     resolve_routing,
 )
 from atgrpo.prompts import PromptEncoder
-from atgrpo.records import Sample
-from atgrpo.rollout import EnvStepper, ThreadStepper
-from atgrpo.update import UpdateSettings, UpdateStats, ppo_update
+from atgrpo.training.closers import close_all
+from atgrpo.training.evaluation import EvalReport, evaluate_held_out
 
 
 class Learner(Protocol):
@@ -92,14 +93,14 @@ class Runtime:
     on_close: list[Callable[[], None]] = field(default_factory=list)  # thread pool, Ray actors
 
     def close(self) -> None:
-        _close_all(self.on_close)
+        close_all(self.on_close)
 
     def take_truncations(self) -> int:
         """Prompts shortened to fit rollout.max_prompt_tokens since the last call."""
         return sum(encoder.take_truncations() for encoder in self.encode.values())
 
     def evaluate(self, split: Split, num_tasks: int) -> EvalReport:
-        return evaluate(
+        return evaluate_held_out(
             self.cfg,
             generators=self.generators,
             policy_of=self.policy_of,
@@ -108,17 +109,6 @@ class Runtime:
             num_tasks=num_tasks,
             stepper=self.stepper,
         )
-
-
-def _close_all(closers: list[Callable[[], None]]) -> None:
-    """Last started, first closed (env workers and groups before the Ray connection); each one
-    runs even when a later-started one fails."""
-    if closers:
-        close = closers.pop()
-        try:
-            close()
-        finally:
-            _close_all(closers)
 
 
 def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
@@ -149,7 +139,7 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
             tokenizers = {pid: p.tokenizer for pid, p in policies.items()}
         stepper = _build_stepper(cfg, on_close)
     except BaseException:
-        _close_all(on_close)
+        close_all(on_close)
         raise
     return Runtime(
         cfg=cfg,

@@ -5,10 +5,10 @@ Training, evaluation and comparison all call these, so a setting means the same 
 
 from __future__ import annotations
 
-from atgrpo.advantage import AdvantageSettings, Grouping
+from atgrpo.algo.advantage import AdvantageSettings, Grouping
+from atgrpo.algo.rollout import RolloutSettings
+from atgrpo.algo.update import UpdateSettings
 from atgrpo.config import Config, Sampling, TeamCredit
-from atgrpo.rollout import RolloutSettings
-from atgrpo.update import UpdateSettings
 
 
 def _max_new_tokens(cfg: Config, agents: tuple[str, ...], default: int) -> dict[str, int]:
@@ -19,7 +19,7 @@ def train_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSetti
     """A training rollout: K branches (tree) or K trajectories (independent), sampled."""
     r, algo = cfg.rollout, cfg.algo
     return RolloutSettings(
-        width=r.num_generations,
+        num_generations=r.num_generations,
         tree=r.sampling is Sampling.TREE,
         temperature=r.temperature,
         top_k=r.top_k,
@@ -38,7 +38,7 @@ def eval_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettin
     n = cfg.eval.samples_per_task
     sampled = n > 1
     return RolloutSettings(
-        width=n,
+        num_generations=n,
         tree=not sampled,  # n = 1: one greedy branch; n > 1: n independent sampled episodes
         temperature=(cfg.eval.temperature or cfg.rollout.temperature) if sampled else None,
         top_k=cfg.rollout.top_k,  # ignored when greedy

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from atgrpo.config import Config, ConfigError, LoggerKind
-from atgrpo.metrics import step_summary
+from atgrpo.training.closers import close_all
+from atgrpo.training.metrics import step_summary
 
 
 class MetricLogger(Protocol):
@@ -46,7 +47,7 @@ class JsonlLogger:
 
 
 class ConsoleLogger:
-    """The per-step summary line (:func:`atgrpo.metrics.step_summary`).
+    """The per-step summary line (:func:`atgrpo.training.metrics.step_summary`).
 
     Only training-step records are printed (they carry ``perf/step_s``); evaluation records
     are the caller's to present (``atgrpo train`` prints its reports after training). The line
@@ -138,16 +139,7 @@ class Loggers:
             logger.log(step, metrics)
 
     def close(self) -> None:
-        _close_all(list(self.loggers))
-
-
-def _close_all(loggers: list[MetricLogger]) -> None:
-    """Close every logger, each one even when another fails (the first error is raised)."""
-    if loggers:
-        try:
-            loggers[0].close()
-        finally:
-            _close_all(loggers[1:])
+        close_all([logger.close for logger in self.loggers])
 
 
 def build_loggers(cfg: Config, purge_from: int | None = None) -> Loggers:
@@ -161,7 +153,7 @@ def build_loggers(cfg: Config, purge_from: int | None = None) -> Loggers:
         for kind in dict.fromkeys(cfg.run.loggers):
             built.append(make_logger(LoggerKind(kind), cfg, purge_from))
     except BaseException:
-        _close_all(built)
+        close_all([logger.close for logger in built])
         raise
     return Loggers(built)
 

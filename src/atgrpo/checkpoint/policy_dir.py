@@ -1,0 +1,160 @@
+"""One policy's folder in a checkpoint, ``policy-<id>/``: the only code that writes or reads it.
+
+* A whole model (L1, L3): weights (safetensors) and tokenizer, loadable by ``from_pretrained``;
+  ``optim.pt`` beside them holds the optimizer and LR-scheduler state.
+* A LoRA adapter alone (L2): the adapter folder of :mod:`atgrpo.adapters`; the base is not copied.
+* A policy sharded over its Ray worker group (FSDP2, :mod:`atgrpo.distributed.sharding`): the
+  same files from the gathered weights, but instead of ``optim.pt`` a ``sharded/`` folder with
+  every rank's shards of the trainable weights and optimizer state
+  (``torch.distributed.checkpoint``), loadable onto any number of ranks, one process included,
+  and ``scheduler.pt`` with the LR schedule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atgrpo.adapters import ADAPTER_CONFIG, save_adapter
+from atgrpo.algo.policy import Policy
+from atgrpo.checkpoint.steps import save_torch
+
+OPTIM_FILE = "optim.pt"  # a replicated policy's optimizer and LR-scheduler state
+SHARDED_DIR = "sharded"  # a sharded policy's torch.distributed.checkpoint
+SCHEDULER_FILE = "scheduler.pt"  # beside it: the sharded policy's LR schedule (rank 0)
+
+__all__ = [
+    "OPTIM_FILE",
+    "SCHEDULER_FILE",
+    "SHARDED_DIR",
+    "policy_dir",
+    "policy_dirs",
+    "restore_policy_state",
+    "save_policy",
+]
+
+
+def save_policy(policy: Policy, out: Path, *, shard_rank: int | None = None) -> str:
+    """Write ``policy-<id>/``: weights (or the adapter alone), tokenizer, optimizer state.
+
+    ``shard_rank``: this rank's index when the policy is sharded over its worker group; then the
+    call is a collective that every rank of the group makes. Returns the policy's kind,
+    ``"model"`` or ``"lora"``. A Ray worker group calls this on its own node
+    (:mod:`atgrpo.distributed`), so the folder is written where the weights live.
+    """
+    if shard_rank is not None:
+        _save_sharded(policy, out, shard_rank)
+    else:
+        _save_weights(policy, out)
+        policy.tokenizer.save_pretrained(out)
+        state = {"optimizer": policy.optimizer.state_dict()}
+        save_torch({**state, "scheduler": policy.scheduler.state_dict()}, out / OPTIM_FILE)
+    return "lora" if policy.adapter is not None else "model"
+
+
+def _save_weights(policy: Policy, out: Path, state_dict: dict[str, Any] | None = None) -> None:
+    """A whole model with ``save_pretrained``; an adapter alone. ``state_dict``: the weights
+    gathered from a sharded policy, which are not its own parameters."""
+    if policy.adapter is not None:
+        save_adapter(policy.model, policy.adapter, out, state_dict)
+        return
+    if state_dict is None:
+        policy.model.save_pretrained(out)
+        return
+    model = policy.model
+    model.save_pretrained(out, state_dict=state_dict)
+    # save_pretrained names the class it was called on: FSDP's wrapper class, not the model's.
+    model.config.architectures = [_unwrapped_class(model).__name__]
+    model.config.save_pretrained(out)
+
+
+def _unwrapped_class(model: Any) -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def policy_dir(checkpoint: Path, policy_id: str) -> Path:
+    path = checkpoint / f"policy-{policy_id}"
+    if not ((path / "config.json").is_file() or (path / ADAPTER_CONFIG).is_file()):
+        saved = sorted(p.name.removeprefix("policy-") for p in checkpoint.glob("policy-*"))
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint} has no policy {policy_id!r} (it has: {', '.join(saved)})"
+        )
+    return path
+
+
+def policy_dirs(checkpoint: Path, policy_ids: list[str]) -> dict[str, Path]:
+    """The saved folder of every policy in ``policy_ids``; a missing one raises."""
+    return {pid: policy_dir(checkpoint, pid) for pid in policy_ids}
+
+
+def restore_policy_state(checkpoint: Path, policy: Policy) -> None:
+    """Load optimizer and scheduler state (the weights are loaded with from_pretrained).
+
+    A sharded policy's folder (``sharded/``) loads onto this policy whatever its layout: the
+    shards of N ranks onto M, or into one process (weights and optimizer state both).
+    """
+    folder = policy_dir(checkpoint, policy.policy_id)
+    if (folder / SHARDED_DIR).is_dir():
+        _load_sharded(folder, policy)
+        return
+    saved = torch.load(folder / OPTIM_FILE, weights_only=False)
+    policy.optimizer.load_state_dict(saved["optimizer"])
+    policy.scheduler.load_state_dict(saved["scheduler"])
+
+
+# -- sharded policies (torch.distributed.checkpoint; imported only when one is saved or read) --
+
+
+def _trainable_state(policy: Policy) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The policy's trainable weights and optimizer state as FQN-keyed (sharded) dicts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    policy.activate()  # L2: this adapter trainable, the others and the base frozen
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(policy.model, policy.optimizer, options=options)
+    return model_sd, optim_sd
+
+
+def _save_sharded(policy: Policy, out: Path, rank: int) -> None:
+    """Every rank its shards; rank 0 also the full weights, tokenizer and schedule."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(
+        policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )  # gathered onto rank 0 (in CPU memory) one tensor at a time; empty on the others
+    if rank == 0:
+        _save_weights(policy, out, full)
+        policy.tokenizer.save_pretrained(out)
+        save_torch({"scheduler": policy.scheduler.state_dict()}, out / SCHEDULER_FILE)
+    del full
+    dist.barrier()  # the folder exists before the shards go in
+    model_sd, optim_sd = _trainable_state(policy)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / SHARDED_DIR))
+    dist.barrier()  # every rank's shards are written before the driver commits the checkpoint
+
+
+def _load_sharded(folder: Path, policy: Policy) -> None:
+    """Any layout: the shards of N ranks onto M ranks of a sharded group, or into one process."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    model_sd, optim_sd = _trainable_state(policy)
+    state = {"model": model_sd, "optim": optim_sd}
+    alone = not (dist.is_available() and dist.is_initialized())  # one process: no collectives
+    dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR), no_dist=alone)
+    set_state_dict(
+        policy.model,
+        policy.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(ignore_frozen_params=True),
+    )
+    saved = torch.load(folder / SCHEDULER_FILE, weights_only=False)
+    policy.scheduler.load_state_dict(saved["scheduler"])

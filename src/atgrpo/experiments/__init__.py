@@ -1,0 +1,2 @@
+"""Method comparisons: comparison files, the runs a comparison needs, and the intervals its
+tables report."""

@@ -1,0 +1,159 @@
+"""The package's layers (docs/design.md): imports run one way, from the faces down to the leaves.
+
+Every import in src/atgrpo, top-level or inside a function, is read with ``ast``; each module
+belongs to a unit (a top-level module or a subpackage), each unit to a layer of :data:`LAYERS`.
+A unit may import its own modules and the units of lower layers, nothing above or beside it,
+and no set of modules may import each other in a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "src" / "atgrpo"
+
+# Top to bottom; a unit imports only units of the layers below its own.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("__main__",),  # python -m atgrpo
+    ("cli",),  # the command line
+    ("__init__",),  # the public API: `from atgrpo import ...`
+    ("experiments",),  # comparisons: many runs, their tables and intervals
+    ("api",),  # train / evaluate / load_checkpoint, the functions experiments drive
+    ("training",),  # one run: loop, run folder, runtime, evaluation, metrics, trackers
+    ("distributed",),  # Ray worker groups, FSDP2 sharding
+    ("checkpoint", "policies"),  # the on-disk format; models + optimizers from the config
+    ("config_docs",),  # the generated config reference
+    ("config", "prompts"),  # the typed config tree; chat messages -> token ids
+    ("algo",),  # the paper's algorithm: reads no Config
+    ("envs", "generation"),  # environments; rollout engines
+    ("data", "adapters", "report"),  # dataset loaders; the LoRA folder; the HTML report
+    ("models",),  # finding, preparing and loading models
+    ("sandbox", "parsing", "splits", "attention"),  # leaves
+)
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_package(name: str, root: Path) -> bool:
+    return (root.parent / Path(*name.split(".")) / "__init__.py").is_file()
+
+
+def _resolve(node: ast.ImportFrom, importer: str, is_init: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    base = base if is_init else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _targets(node: ast.AST, importer: str, is_init: bool, root: Path) -> Iterator[str]:
+    """The atgrpo modules one import statement loads (``from pkg import mod`` names mod)."""
+    if isinstance(node, ast.Import):
+        yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        module = _resolve(node, importer, is_init)
+        for alias in node.names:
+            sub = f"{module}.{alias.name}"
+            is_module = (root.parent / f"{sub.replace('.', '/')}.py").is_file()
+            # `from pkg import mod` loads mod; `from pkg import name` loads pkg's __init__.
+            yield sub if is_module or _is_package(sub, root) else module
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the atgrpo modules it imports (every import statement, wherever it stands)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        name = _module_name(path, root)
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(tree):
+            for target in _targets(node, name, path.name == "__init__.py", root):
+                if target == "atgrpo" or target.startswith("atgrpo."):
+                    edges.add(target)
+        edges.discard(name)
+    return graph
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_problems(root: Path) -> list[str]:
+    """Every import that runs up or sideways, every module of no layer, every circle."""
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    graph = import_graph(root)
+    problems = []
+    for module, targets in sorted(graph.items()):
+        unit = unit_of(module)
+        if unit not in rank:
+            problems.append(f"{module}: unit {unit!r} is in no layer of LAYERS")
+            continue
+        for target in sorted(targets):
+            other = unit_of(target)
+            if other != unit and rank.get(other, -1) <= rank[unit]:
+                problems.append(f"{module} -> {target}: {unit!r} may not import {other!r}")
+    problems.extend(f"circle: {' -> '.join(c)}" for c in circles(graph))
+    return problems
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected sets of more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while (member := stack.pop()) != node:
+                members.append(member)
+            if members:
+                found.append(sorted([node, *members]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_package_imports_only_down_its_layers_and_in_no_circle() -> None:
+    assert layer_problems(PACKAGE) == []
+
+
+def test_an_upward_import_and_a_circle_are_caught(tmp_path: Path) -> None:
+    copy = tmp_path / "atgrpo"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    loss = copy / "algo" / "loss.py"
+    loss.write_text(loss.read_text() + "\nfrom atgrpo.config import Config\n")
+    assert layer_problems(copy) == [
+        "atgrpo.algo.loss -> atgrpo.config: 'algo' may not import 'config'",
+        "circle: atgrpo.algo.loss -> atgrpo.config",  # config imports loss's enums
+    ]
+
+
+def test_a_module_outside_every_layer_is_named(tmp_path: Path) -> None:
+    copy = tmp_path / "atgrpo"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "helpers.py").write_text("from atgrpo.parsing import extract_code\n")
+    assert "atgrpo.helpers: unit 'helpers' is in no layer of LAYERS" in layer_problems(copy)

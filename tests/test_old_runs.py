@@ -1,0 +1,52 @@
+"""A run folder written before the package was split into layers still loads unchanged.
+
+tests/fixtures/run-v0.1 was written by atgrpo 0.1 with the flat layout (``atgrpo train
+configs/tiny-lora.yaml run.output_dir=runs run.name=old-layout train.steps=1
+rollout.max_new_tokens=8 eval.num_tasks=1``; L2, two LoRA adapters): its checkpoint is
+evaluated, resumed and reported by today's code, through the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+from atgrpo import checkpoint as ckpt
+from atgrpo import evaluate, load_checkpoint, train
+from atgrpo.config import load_config
+from atgrpo.report import write_report
+from conftest import REPO
+
+FIXTURE = REPO / "tests" / "fixtures" / "run-v0.1"
+
+
+def _copy(tmp_path: Path, *overrides: str):
+    shutil.copytree(FIXTURE, tmp_path / "old-layout")
+    args = [f"run.output_dir={tmp_path}", "run.name=old-layout", "rollout.max_new_tokens=8"]
+    return load_config(REPO / "configs" / "tiny-lora.yaml", [*args, *overrides])
+
+
+def test_an_old_checkpoint_is_intact_and_evaluates(tmp_path: Path) -> None:
+    cfg = _copy(tmp_path)
+    folder = load_checkpoint(cfg.run_dir)  # verified against its manifest
+    assert folder.name == "step-000001"
+    assert ckpt.checkpoint_problem(folder) is None
+    report = evaluate(cfg, cfg.run_dir, num_tasks=2)
+    assert report.num_tasks == 2 and 0.0 <= report.success_rate <= 1.0
+
+
+def test_an_old_run_resumes_and_reports(tmp_path: Path) -> None:
+    cfg = _copy(tmp_path, "train.steps=2", "eval.num_tasks=1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.ResumeWarning)  # output_dir and steps changed
+        result = train(cfg, resume=True)
+    assert result.steps_done == 2
+    lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]  # step 1 kept, step 2 appended
+    assert ckpt.latest_checkpoint(cfg.run_dir) == ckpt.checkpoint_path(cfg.run_dir, 2)
+    for pid in ("tool", "planner"):  # adapters alone, as before
+        saved = sorted(p.name for p in (result.checkpoint / f"policy-{pid}").iterdir())  # type: ignore[operator]
+        assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
+    assert write_report([cfg.run_dir], tmp_path / "report.html").is_file()
