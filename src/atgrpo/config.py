@@ -11,14 +11,17 @@ import copy
 import difflib
 import enum
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from atgrpo.algo.advantage import AdvantageScale, Grouping, StdKind
-from atgrpo.algo.loss import LossAggregation, OldLogprobs
+from atgrpo.algo.advantage import AdvantageScale, Grouping, StdKind, StdScope
+from atgrpo.algo.filtering import GroupFilter
+from atgrpo.algo.loss import LossAggregation, OldLogprobs, RatioLevel
+from atgrpo.algo.truncation import Truncation
 from atgrpo.envs import BUILTIN_ENVS, EnvConfig, EnvSpecError, PlanPathConfig
 from atgrpo.envs.registry import PLUGIN_TAG, env_tag
 
@@ -151,6 +154,54 @@ class VLLMConfig(_Section):
     )
 
 
+class AgentRolloutConfig(_Section):
+    """One agent's own rollout settings (``rollout.agents.<id>``, the id one of the env's agents);
+    a key left null is the rollout's. The update scores each sample at the temperature it was
+    sampled at."""
+
+    temperature: float | None = Field(None, gt=0.0, description="null = rollout.temperature.")
+    top_k: int | None = Field(None, ge=0, description="null = rollout.top_k.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="null = rollout.top_p.")
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "null = rollout.max_new_tokens_per_agent.<id>, else rollout.max_new_tokens (setting "
+            "both is an error). Applies to evaluation too, over eval.max_new_tokens."
+        ),
+    )
+    truncation: Truncation | None = Field(None, description="null = rollout.truncation.")
+    overlong_buffer: int | None = Field(None, ge=1, description="null = rollout.overlong_buffer.")
+    overlong_penalty_factor: float | None = Field(
+        None, ge=0.0, description="null = rollout.overlong_penalty_factor."
+    )
+
+
+@dataclass(frozen=True)
+class AgentRollout:
+    """One agent's rollout settings, its ``rollout.agents.<id>`` over the rollout's
+    (:meth:`RolloutConfig.agent`)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    truncation: Truncation
+    overlong_buffer: int
+    overlong_penalty_factor: float
+
+
+_T = TypeVar("_T")
+
+
+def _first(*values: _T | None) -> _T:
+    """The first value that is not None (the last one given never is)."""
+    for value in values:
+        if value is not None:
+            return value
+    raise ValueError("no value given")
+
+
 class RolloutConfig(_Section):
     num_tasks: int = Field(4, ge=1, description="Tasks per training step (B).")
     num_generations: int = Field(
@@ -180,7 +231,43 @@ class RolloutConfig(_Section):
     )
     max_new_tokens: int = Field(96, ge=1, description="Cap on tokens of one response.")
     max_new_tokens_per_agent: dict[str, int] = Field(
-        default_factory=dict, description="Per-agent override of max_new_tokens."
+        default_factory=dict,
+        description=(
+            "Per-agent override of max_new_tokens: the older spelling of "
+            "rollout.agents.<id>.max_new_tokens (one agent in both is an error)."
+        ),
+    )
+    truncation: Truncation = Field(
+        Truncation.KEEP,
+        description=(
+            "A response cut at max_new_tokens (no end-of-sequence token) in training: keep "
+            "(trained like any other; a cut answer usually scores as a format failure); mask "
+            "(left out of the loss and its normalisers, TRL's mask_truncated_completions; its "
+            "reward still counts in its group); overlong_penalty (DAPO: every response's reward "
+            "gets overlong_penalty_factor x a length penalty, see overlong_buffer). Evaluation "
+            "always keeps. Per agent: rollout.agents.<id>.truncation."
+        ),
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "truncation=overlong_penalty: L_cache, the last tokens before the cap L_max = "
+            "max_new_tokens where the penalty grows: a response of L tokens gets 0 up to "
+            "L_max - L_cache, -(L - (L_max - L_cache)) / L_cache above, -1 at the cap; at most "
+            "the agent's max_new_tokens. null = a fifth of it, at least 1 (DAPO: 4096 of 20480)."
+        ),
+    )
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0.0, description="Scale of the overlong penalty (DAPO: 1)."
+    )
+    agents: dict[str, AgentRolloutConfig] = Field(
+        default_factory=dict,
+        description=(
+            "Agent id -> its own temperature, top_k, top_p, max_new_tokens and truncation "
+            "settings, each falling back to the rollout's; an id the env does not have is an "
+            "error when the env is built."
+        ),
     )
     max_prompt_tokens: int = Field(
         1024,
@@ -212,6 +299,60 @@ class RolloutConfig(_Section):
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
 
+    def agent(self, agent_id: str) -> AgentRollout:
+        """``agent_id``'s settings: ``agents.<id>``, then the older ``max_new_tokens_per_agent``,
+        then the rollout's own; the one place the fallbacks are applied."""
+        own = self.agents.get(agent_id) or AgentRolloutConfig()  # type: ignore[call-arg]
+        max_new = _first(self.max_new_tokens_override(agent_id), self.max_new_tokens)
+        return AgentRollout(
+            temperature=_first(own.temperature, self.temperature),
+            top_k=_first(own.top_k, self.top_k),
+            top_p=_first(own.top_p, self.top_p),
+            max_new_tokens=max_new,
+            truncation=_first(own.truncation, self.truncation),
+            overlong_buffer=_first(own.overlong_buffer, self.overlong_buffer, max(1, max_new // 5)),
+            overlong_penalty_factor=_first(
+                own.overlong_penalty_factor, self.overlong_penalty_factor
+            ),
+        )
+
+    def max_new_tokens_override(self, agent_id: str) -> int | None:
+        """The agent's own cap (``agents.<id>`` or ``max_new_tokens_per_agent``), if it has one."""
+        own = self.agents.get(agent_id)
+        if own is not None and own.max_new_tokens is not None:
+            return own.max_new_tokens
+        return self.max_new_tokens_per_agent.get(agent_id)
+
+    @model_validator(mode="after")
+    def _agents_consistent(self) -> RolloutConfig:
+        for agent, own in self.agents.items():
+            if own.max_new_tokens is not None and agent in self.max_new_tokens_per_agent:
+                raise KeyedValueError(
+                    f"rollout.agents.{agent}.max_new_tokens",
+                    f"rollout.max_new_tokens_per_agent.{agent} sets it too (its older "
+                    "spelling): set it in one place",
+                )
+        for agent in ["", *self.agents, *self.max_new_tokens_per_agent]:  # "": any other agent
+            self._check_overlong_buffer(agent)
+        return self
+
+    def _check_overlong_buffer(self, agent: str) -> None:
+        """DAPO's buffer lies inside the agent's token budget (else its penalty starts at 0)."""
+        settings = self.agent(agent)
+        too_long = settings.overlong_buffer > settings.max_new_tokens
+        if settings.truncation is not Truncation.OVERLONG_PENALTY or not too_long:
+            return
+        own = self.agents.get(agent)
+        key = "rollout.overlong_buffer"
+        if own is not None and own.overlong_buffer is not None:
+            key = f"rollout.agents.{agent}.overlong_buffer"
+        raise KeyedValueError(
+            key,
+            f"the overlong buffer ({settings.overlong_buffer}) exceeds the max_new_tokens "
+            f"({settings.max_new_tokens}) of {f'agent {agent!r}' if agent else 'agents'}"
+            f"; set rollout.agents.{agent or '<id>'}.overlong_buffer",
+        )
+
 
 class AlgoConfig(_Section):
     grouping: Grouping = Field(
@@ -238,11 +379,51 @@ class AlgoConfig(_Section):
             "population (divides by n)."
         ),
     )
+    adv_std_scope: StdScope = Field(
+        StdScope.GROUP,
+        description=(
+            "Whose rewards the std of adv_scale=std is over (the mean is always the group's): "
+            "group (the advantage group's own, GRPO); agent (the agent's rewards over the whole "
+            "step's batch, every task and turn: group mean, batch std). Not with grouping "
+            "trajectory."
+        ),
+    )
     adv_eps: float = Field(1e-6, gt=0.0, description="eps in the advantage denominator.")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.2, gt=0.0, description="PPO clip: ratio <= 1 + clip_high.")
+    dual_clip: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Dual-clip PPO (verl's clip_ratio_c): for a negative advantage the token loss is at "
+            "most -dual_clip x A, so a ratio far above 1 cannot blow it up; 0 = off, else > 1 "
+            "(verl: 3)."
+        ),
+    )
+    ratio_level: RatioLevel = Field(
+        RatioLevel.TOKEN,
+        description=(
+            "token: a PPO ratio per token; sequence: GSPO, one ratio per response, exp of its "
+            "tokens' mean log-ratio, clipped as a whole (GSPO clips at about 3e-4 / 4e-4, and "
+            "aggregates with seq_mean)."
+        ),
+    )
     loss_aggregation: LossAggregation = Field(
-        LossAggregation.TOKEN_MEAN, description="token_mean over the batch, or seq_mean."
+        LossAggregation.TOKEN_MEAN,
+        description=(
+            "token_mean: every token of the batch weighs the same; seq_mean: every response; "
+            "constant: token sums / (responses x algo.loss_norm_tokens), no length "
+            "normalisation (Dr. GRPO); agent_token_mean: each agent's tokens weigh as one share "
+            "(a policy shared by agents with short and long answers)."
+        ),
+    )
+    loss_norm_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "The token budget per response that aggregation constant divides by; 0 = "
+            "rollout.max_new_tokens (Dr. GRPO's generation budget)."
+        ),
     )
     kl_coef: float = Field(0.0, ge=0.0, description="KL to a frozen reference (0: none, no ref).")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
@@ -280,15 +461,101 @@ class AlgoConfig(_Section):
             "immediate: the team reward right after the action."
         ),
     )
+    filter: GroupFilter = Field(
+        GroupFilter.NONE,
+        description=(
+            "Drop advantage groups (algo.grouping's) from the update, its loss normalisers "
+            "included: none; zero_variance (rewards all equal: no signal; the reference's "
+            "'dapo'); lowest_mean / lowest_variance (the filter_ratio share of the step's "
+            "groups with the lowest mean reward / reward std; lowest_mean is the reference's "
+            "'mean'). Needs a grouping other than none (docs/algorithm.md, 'Group filtering')."
+        ),
+    )
+    filter_ratio: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description=(
+            "Share of the step's groups (all agents and turns together) that lowest_mean and "
+            "lowest_variance drop: floor(filter_ratio x groups), ties by task, agent, turn. "
+            "zero_variance does not read it (reference planning configs: mean, 0.5)."
+        ),
+    )
+    filter_refill: int = Field(
+        0,
+        ge=0,
+        description=(
+            "When fewer than rollout.num_tasks tasks keep a group after filtering, roll out "
+            "rollout.num_tasks fresh train tasks more (their own seeds, never a regular "
+            "step's) and add their kept groups, up to this many times per step; 0 = off."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _dual_clip_above_one(self) -> AlgoConfig:
+        if 0.0 < self.dual_clip <= 1.0:
+            raise KeyedValueError(
+                "algo.dual_clip", f"{self.dual_clip} caps below the clip: 0 (off) or above 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _std_scope_consistent(self) -> AlgoConfig:
+        trajectory = self.grouping is Grouping.TRAJECTORY
+        if self.adv_std_scope is StdScope.AGENT and trajectory:
+            raise KeyedValueError(
+                "algo.adv_std_scope",
+                "agent needs per-sample advantages; a trajectory (grouping trajectory) spans "
+                "every agent: use group",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _filter_consistent(self) -> AlgoConfig:
+        if self.filter is not GroupFilter.NONE and self.grouping is Grouping.NONE:
+            raise KeyedValueError(
+                "algo.filter",
+                "grouping none pools the whole batch into one group: there are no groups to "
+                "filter; use another algo.grouping or algo.filter=none",
+            )
+        if self.filter_refill and self.filter is GroupFilter.NONE:
+            raise KeyedValueError(
+                "algo.filter_refill", "refills replace filtered groups: set algo.filter too"
+            )
+        return self
 
 
 class TrainConfig(_Section):
-    steps: int = Field(10, ge=0, description="Training steps (one rollout batch + one update).")
+    steps: int = Field(
+        10,
+        ge=0,
+        description="Training steps: one rollout batch each, and each policy's update on it.",
+    )
+    ppo_mini_batch_size: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Samples per optimizer step (verl's ppo_mini_batch_size): each policy's batch is cut "
+            "into ceil(samples / this) mini-batches of whole prompt groups, one AdamW step each, "
+            "pi_old computed once before the first. 0: the whole batch, one step (the reference "
+            "uses 16)."
+        ),
+    )
+    ppo_epochs: int = Field(
+        1,
+        ge=1,
+        description="Passes over each policy's batch per training step (verl's ppo_epochs).",
+    )
     lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (peak).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     warmup_steps: int = Field(
-        10, ge=0, description="Linear warm-up steps (the reference: 10), counted in train.steps."
+        10,
+        ge=0,
+        description=(
+            "Linear warm-up steps (the reference: 10). The LR schedule's unit is the training "
+            "step: it advances once per train.steps, whatever the optimizer steps per step."
+        ),
     )
     schedule: Literal["constant", "cosine"] = Field(
         "cosine", description="LR schedule after warm-up: constant, or cosine down to the floor."
@@ -393,6 +660,14 @@ class PolicyConfig(_Section):
     lr: float | None = Field(None, gt=0.0, description="Learning rate; null = train.lr.")
     weight_decay: float | None = Field(
         None, ge=0.0, description="AdamW weight decay; null = train.weight_decay."
+    )
+    trainable: bool = Field(
+        True,
+        description=(
+            "false: the policy acts for its agents but never learns (e.g. train only the "
+            "reasoner beside a fixed tool agent): its samples are dropped before the update, its "
+            "weights, optimizer and LR schedule never step; it is still checkpointed."
+        ),
     )
 
 
@@ -615,6 +890,20 @@ class Config(_Section):
         """The name of the shared base a LoRA policy's adapter lives on."""
         return self.policies[policy_id].base or f"model:{self.policy_model(policy_id)}"
 
+    def check_agent_ids(self, agents: tuple[str, ...]) -> None:
+        """Refuse a ``rollout.agents`` entry that names an agent the env does not have (the
+        agents are known once the env is built, as for ``routing``).
+
+        The older ``rollout.max_new_tokens_per_agent`` keeps ignoring such agents: the shipped
+        single-agent configs inherit the multi-agent ones' entry for the tool agent.
+        """
+        for agent in self.rollout.agents:
+            if agent not in agents:
+                raise ConfigError(
+                    f"invalid value for 'rollout.agents.{agent}': the env has no agent "
+                    f"{agent!r} (agents: {', '.join(agents)})"
+                )
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.output_dir) / self.run.name
@@ -696,6 +985,8 @@ def _key_hint(key: str, loc: list[str], tag: str) -> str:
     if len(loc) > 2 and loc[0] == "policies":  # a mapping of sections keyed by policy id
         known += _known_keys(PolicyConfig, f"policies.{loc[1]}.")
         known += _known_keys(LoraConfig, f"policies.{loc[1]}.lora.")
+    if len(loc) > 3 and loc[:2] == ["rollout", "agents"]:  # keyed by agent id
+        known += _known_keys(AgentRolloutConfig, f"rollout.agents.{loc[2]}.")
     close = difflib.get_close_matches(key, known, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

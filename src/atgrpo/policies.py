@@ -132,6 +132,7 @@ def vllm_settings(cfg: Config, sharing: list[Policy]) -> VLLMSettings:
     longest_response = max(
         cfg.rollout.max_new_tokens,
         *cfg.rollout.max_new_tokens_per_agent.values(),
+        *(own.max_new_tokens or 0 for own in cfg.rollout.agents.values()),
         cfg.eval.max_new_tokens or 0,
     )
     loras = [cfg.policies[p.policy_id].lora for p in sharing]

@@ -47,13 +47,26 @@ class StdKind(enum.StrEnum):
     POPULATION = "population"  # divides by n
 
 
-def mix_reward(team: float, local: float, alpha: float, local_weight: float) -> float:
-    """r_i = alpha * r_team + local_weight * r_local,i: the one place rewards are mixed.
+class StdScope(enum.StrEnum):
+    """Over which rewards the std of ``AdvantageScale.STD`` is taken (the mean is the group's)."""
+
+    GROUP = "group"  # the group's own rewards: GRPO, the reference
+    # The agent's rewards over the whole step's batch (every task and turn): "group mean, batch
+    # std" (Liu et al., 2025, "Tricks or Traps"); a near-tied group is not blown up.
+    AGENT = "agent"
+
+
+def mix_reward(
+    team: float, local: float, alpha: float, local_weight: float, penalty: float = 0.0
+) -> float:
+    """r_i = alpha * r_team + local_weight * r_local,i + penalty: the one place rewards are mixed.
 
     The paper's mix is alpha = 0.7, local_weight = 1; alpha = 1, local_weight = 0 is its
     "global only" ablation and alpha = 0 its "local only" one (docs/algorithm.md, "Rewards").
+    ``penalty`` is the sample's own DAPO overlong penalty (``rollout.truncation``), added as
+    DAPO adds it, outside both weights: it is about this response, not about the team.
     """
-    return alpha * team + local_weight * local
+    return alpha * team + local_weight * local + penalty
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,7 @@ class AdvantageSettings:
     eps: float
     alpha: float  # the reward mix, for trajectory returns
     local_weight: float
+    std_scope: StdScope = StdScope.GROUP  # whose rewards the std is over (scale STD only)
 
 
 @dataclass(frozen=True)
@@ -123,28 +137,35 @@ def group_advantages(
     scale: AdvantageScale = AdvantageScale.STD,
     eps: float = 1e-6,
     std: StdKind = StdKind.UNBIASED,
+    std_index: torch.Tensor | None = None,  # (N,) long: each unit's std scope; None: its group
 ) -> torch.Tensor:  # (N,)
     """Group-normalised advantages (docs/algorithm.md, "Advantages").
 
-    ``STD``: (r - mean_g) / (std_g + eps), the std unbiased (n - 1) or population (n) as
-    ``std`` says; ``MEAN``: r - mean_g.
+    ``STD``: (r - mean_g) / (std_s + eps), the std unbiased (n - 1) or population (n) as
+    ``std`` says, s the unit's group, or its scope in ``std_index`` (``StdScope.AGENT``: the
+    agent's whole batch); ``MEAN``: r - mean_g.
     A group of one sample, or whose rewards are all equal, carries no signal ("Groups whose
     rewards are all equal carry no signal"): its advantages are exactly 0, not a rounding
-    residue of r - mean.
+    residue of r - mean, whatever the scope of the std.
     """
     scale = AdvantageScale(scale)
-    if rewards.dim() != 1 or group_index.shape != rewards.shape:
-        raise ValueError(
-            f"rewards {tuple(rewards.shape)} and group_index {tuple(group_index.shape)} "
-            f"must both be (N,)"
-        )
+    for name, index in (("group_index", group_index), ("std_index", std_index)):
+        if rewards.dim() != 1 or (index is not None and index.shape != rewards.shape):
+            raise ValueError(
+                f"rewards {tuple(rewards.shape)} and {name} "
+                f"{tuple(index.shape) if index is not None else None} must both be (N,)"
+            )
     if rewards.numel() == 0:
         return rewards.clone()
     mean, spread, degenerate = _group_moments(rewards, group_index, StdKind(std))
     r = rewards.double()  # float64: rewards are few and small, precision is free
     centred = r - mean[group_index]
     if scale is AdvantageScale.STD:
-        centred = centred / (spread[group_index] + eps)
+        if std_index is None:
+            unit_spread = spread[group_index]
+        else:
+            unit_spread = _group_moments(rewards, std_index, StdKind(std))[1][std_index]
+        centred = centred / (unit_spread + eps)
     adv = torch.where(degenerate[group_index], torch.zeros_like(centred), centred)
     return adv.to(rewards.dtype)
 
@@ -216,21 +237,17 @@ def assign_advantages(
     keys = [group_key(s, grouping) for s in samples]
     if require_identical_prompts:
         _check_identical_prompts(samples, keys)
-    if grouping is Grouping.TRAJECTORY:
-        unit_of, unit_rewards, unit_keys = _trajectory_units(samples, keys, settings)
-    else:  # the unit that gets normalised is the sample
-        unit_of, unit_rewards, unit_keys = (
-            list(range(len(samples))),
-            [s.reward for s in samples],
-            keys,
-        )
+    unit_of, unit_rewards, unit_keys = _units(samples, keys, settings)
 
     group_ids: dict[GroupKey, int] = {}
     group_index = torch.tensor(
         [group_ids.setdefault(k, len(group_ids)) for k in unit_keys], dtype=torch.long
     )  # (U,)
     rewards = torch.tensor(unit_rewards, dtype=torch.float64)  # (U,)
-    unit_adv = group_advantages(rewards, group_index, settings.scale, settings.eps, settings.std)
+    scopes = _std_index(samples, settings)
+    unit_adv = group_advantages(
+        rewards, group_index, settings.scale, settings.eps, settings.std, scopes
+    )
     _, _, degenerate = _group_moments(rewards, group_index)
 
     adv = unit_adv[torch.tensor(unit_of, dtype=torch.long)]  # (N,)
@@ -243,12 +260,54 @@ def assign_advantages(
     )
 
 
+def _std_index(samples: Sequence[Sample], settings: AdvantageSettings) -> torch.Tensor | None:
+    """(N,) each unit's std scope under ``StdScope.AGENT`` (its agent); None under ``GROUP``.
+
+    Raises:
+        ValueError: ``TRAJECTORY`` grouping, whose units (trajectories) span every agent.
+    """
+    if StdScope(settings.std_scope) is StdScope.GROUP:
+        return None
+    if Grouping(settings.grouping) is Grouping.TRAJECTORY:
+        raise ValueError("an agent-scoped std needs per-sample units; a trajectory spans agents")
+    agents: dict[str, int] = {}
+    scopes = [agents.setdefault(s.agent_id, len(agents)) for s in samples]
+    return torch.tensor(scopes, dtype=torch.long)
+
+
+def group_rewards(
+    samples: Sequence[Sample], settings: AdvantageSettings
+) -> tuple[list[GroupKey], dict[GroupKey, list[float]]]:
+    """Each sample's group key, and each group's rewards: the values :func:`assign_advantages`
+    normalises (samples' rewards; trajectory returns under ``TRAJECTORY``), groups in order of
+    first appearance. What group filtering (:mod:`atgrpo.algo.filtering`) ranks groups by, so
+    a filter and the advantages always see the same groups and the same rewards.
+    """
+    keys = [group_key(s, Grouping(settings.grouping)) for s in samples]
+    _, rewards, unit_keys = _units(samples, keys, settings)
+    groups: dict[GroupKey, list[float]] = {}
+    for key, reward in zip(unit_keys, rewards, strict=True):
+        groups.setdefault(key, []).append(reward)
+    return keys, groups
+
+
+def _units(
+    samples: Sequence[Sample], keys: Sequence[GroupKey], settings: AdvantageSettings
+) -> tuple[list[int], list[float], list[GroupKey]]:
+    """sample -> unit index, each unit's reward and group key: the unit that gets normalised is
+    the sample, or under ``TRAJECTORY`` the trajectory (its return)."""
+    if Grouping(settings.grouping) is Grouping.TRAJECTORY:
+        return _trajectory_units(samples, keys, settings)
+    return list(range(len(samples))), [s.reward for s in samples], list(keys)
+
+
 def trajectory_return(steps: Sequence[Sample], alpha: float, local_weight: float) -> float:
     """The plain-GRPO return of one trajectory (its samples in time order).
 
-    ``alpha * team_T + local_weight * sum_t local_t``: the team reward is a standing (a
-    potential), so only its final value counts, while the local rewards score each action
-    (progress made, a format penalty), so they add up. Up to the start state's team reward,
+    ``alpha * team_T + local_weight * sum_t local_t + sum_t penalty_t``: the team reward is a
+    standing (a potential), so only its final value counts, while the local rewards score each
+    action (progress made, a format penalty), so they add up, and so do the responses' own
+    overlong penalties. Up to the start state's team reward,
     equal for all K trajectories of a task and removed by the group mean, this is the sum of
     the per-step mixed increments ``alpha * (team_t - team_{t-1}) + local_weight * local_t``:
     summing the standings instead would pay a slow solve more than a fast one.
@@ -256,7 +315,8 @@ def trajectory_return(steps: Sequence[Sample], alpha: float, local_weight: float
     if not steps:
         raise ValueError("a trajectory has at least one step")
     local = sum(s.local_reward for s in steps)
-    return mix_reward(steps[-1].team_reward, local, alpha, local_weight)
+    penalty = sum(s.overlong_penalty for s in steps)
+    return mix_reward(steps[-1].team_reward, local, alpha, local_weight, penalty)
 
 
 def _trajectory_units(

@@ -28,6 +28,18 @@ class LossAggregation(enum.StrEnum):
     TOKEN_MEAN = "token_mean"
     # Mean over the tokens of each sequence, then over sequences: every response weighs the same.
     SEQ_MEAN = "seq_mean"
+    # Sum over all tokens / (sequences x a constant token budget): no length normalisation at
+    # all, so no length bias in either direction (Dr. GRPO; verl's seq-mean-token-sum-norm).
+    CONSTANT = "constant"
+    # Each agent's tokens weigh as one share: per agent, its tokens' sum / its token count, then
+    # the mean over the agents present. For a policy shared by agents whose answers differ in
+    # length (AT-GRPO's L1), so the agent with long answers does not dominate the gradient.
+    AGENT_TOKEN_MEAN = "agent_token_mean"
+
+
+class RatioLevel(enum.StrEnum):
+    TOKEN = "token"  # PPO: a ratio per token
+    SEQUENCE = "sequence"  # GSPO: one per response, exp of its tokens' mean log-ratio
 
 
 class OldLogprobs(enum.StrEnum):
@@ -71,12 +83,19 @@ class LossOutput(NamedTuple):
     clip_frac: torch.Tensor  # () fraction of tokens whose gradient the clip removes
     ratio_mean: torch.Tensor  # () mean of pi / pi_old over tokens
     approx_kl: torch.Tensor  # () mean of (old - new) log-prob: k1 estimate of KL(old || new)
+    ratio_min: torch.Tensor = torch.tensor(1.0)  # () smallest pi / pi_old over masked tokens
+    ratio_max: torch.Tensor = torch.tensor(1.0)  # () largest
+
+
+# A temperature for every row alike, or one per row as a (B, 1, 1) float32 tensor (agents
+# sampled at their own temperatures share a micro-batch).
+Temperature = float | torch.Tensor
 
 
 def token_logprobs(
     logits: torch.Tensor,  # (B, T, V)
     targets: torch.Tensor,  # (B, T) long
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
 ) -> torch.Tensor:  # (B, T) float32
     """log p(target) under softmax(logits / temperature), in float32.
 
@@ -84,25 +103,32 @@ def token_logprobs(
     (invariant 3 of docs/design.md; the reference implementation sampled at one temperature and
     scored at another).
     """
-    _check_temperature(temperature)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    logp = torch.log_softmax(_tempered(logits, temperature), dim=-1)  # (B, T, V)
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(
     logits: torch.Tensor,  # (B, T, V)
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
 ) -> torch.Tensor:  # (B, T) float32
     """Entropy of softmax(logits / temperature) at every position, in float32."""
-    _check_temperature(temperature)
-    z = logits.float() / temperature  # (B, T, V)
+    z = _tempered(logits, temperature)  # (B, T, V)
     # H = logsumexp(z) - sum_v p_v z_v: no log(0) for tokens with vanishing probability.
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
-def _check_temperature(temperature: float) -> None:
+def _tempered(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor:  # (B, T, V) fp32
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() != logits.dim() or temperature.shape[1:] != (1, 1):
+            raise ValueError(
+                f"a per-row temperature must be (B, 1, 1), got {tuple(temperature.shape)}"
+            )
+        if not bool((temperature > 0).all()):
+            raise ValueError(f"temperature must be > 0, got {temperature.flatten().tolist()}")
+        return logits.float() / temperature.float()
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    return logits.float() / temperature
 
 
 def ppo_clip_loss(
@@ -119,52 +145,70 @@ def ppo_clip_loss(
     entropy: torch.Tensor | None = None,  # (B, T), e.g. entropy_from_logits(...)
     entropy_coef: float = 0.0,
     is_weights: torch.Tensor | None = None,  # (B, T) detached, e.g. truncated_is_weights(...)
+    dual_clip: float = 0.0,  # c > 1: for A < 0 the loss is at most -c A (0: off)
+    sequence_ratio: bool = False,  # GSPO: one ratio per sequence, its tokens' mean log-ratio
     num_tokens: int | None = None,
     num_seqs: int | None = None,
+    norm_tokens: int | None = None,
+    row_norms: torch.Tensor | None = None,  # (B,)
 ) -> LossOutput:
     """PPO clipped surrogate (docs/algorithm.md, "Loss") with optional KL and entropy terms.
 
-    Per token, with ratio = exp(logprobs - old_logprobs)::
+    Per token, with ratio = exp(logprobs - old_logprobs) (with ``sequence_ratio``, exp of the
+    mean log-ratio over the sequence's tokens, the same for all of them)::
 
         pg = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)   (* w with is_weights)
+        pg = min(pg, -dual_clip * A) where A < 0                              (with dual_clip)
         kl = exp(ref - lp) - (ref - lp) - 1          (k3 estimator, >= 0)
         loss_tok = pg + kl_coef * kl - entropy_coef * entropy
 
-    then aggregated with ``aggregation``. ``num_tokens`` (token_mean) and ``num_seqs``
-    (seq_mean) are the normalisers of the *whole* batch for gradient accumulation: summing the
-    losses of micro-batches computed with the full batch's count equals the whole batch's loss.
-    They default to this micro-batch's own counts (sequences with at least one response
-    token); the one the aggregation does not use is ignored. Values at masked positions never
-    reach the loss, even if inf or nan.
+    then aggregated with ``aggregation`` over the *whole* batch's normalisers, so micro-batch
+    losses sum to the batch's: ``num_tokens``, ``num_seqs`` (with ``norm_tokens`` for constant),
+    ``row_norms`` (agent_token_mean: agents x the row's agent's tokens); by default this
+    micro-batch's counts. Masked positions never reach the loss, even if inf or nan.
     """
     aggregation = LossAggregation(aggregation)
     _check_inputs(logprobs, old_logprobs, mask, ref_logprobs, kl_coef, entropy, entropy_coef)
     m = mask.bool()  # (B, T)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     adv = _token_advantages(advantages, logprobs)  # (B, T)
-
     # torch.where, not multiplication: padding may hold inf/nan, and 0 * inf = nan.
     log_ratio = torch.where(m, logprobs - old_logprobs, zero)  # (B, T)
-    pg_tok, ratio, was_clipped = _clipped_surrogate(log_ratio, adv, clip_low, clip_high)
+    if sequence_ratio:
+        log_ratio = torch.where(m, _sequence_mean(log_ratio, m)[:, None], zero)  # (B, T)
+    pg_tok, ratio, was_clipped = _clipped_surrogate(log_ratio, adv, clip_low, clip_high, dual_clip)
     if is_weights is not None:
         _check_shapes(logprobs, is_weights=is_weights)
         pg_tok = pg_tok * torch.where(m, is_weights.to(pg_tok.dtype), zero)
     kl_tok, ent_tok = _kl_and_entropy(logprobs, m, ref_logprobs, entropy)  # (B, T) each
     per_token = pg_tok + kl_coef * kl_tok - entropy_coef * ent_tok  # entropy is a bonus
 
-    norm = _Normalisers(aggregation, m, num_tokens, num_seqs)
-    with torch.no_grad():
-        clip_frac = _token_mean(was_clipped.to(logprobs.dtype), m)
-        ratio_mean, approx_kl = _token_mean(ratio, m), _token_mean(-log_ratio, m)
+    norm = _Normalisers(aggregation, m, num_tokens, num_seqs, norm_tokens, row_norms)
     return LossOutput(
         loss=norm.aggregate(per_token),
         pg_loss=norm.aggregate(pg_tok).detach(),
         kl=norm.aggregate(kl_tok).detach(),
         entropy=norm.aggregate(ent_tok).detach(),
-        clip_frac=clip_frac,
-        ratio_mean=ratio_mean,
-        approx_kl=approx_kl,
+        **_ratio_stats(ratio, log_ratio, was_clipped, m),
     )
+
+
+@torch.no_grad()
+def _ratio_stats(
+    ratio: torch.Tensor, log_ratio: torch.Tensor, was_clipped: torch.Tensor, m: torch.Tensor
+) -> dict[str, torch.Tensor]:  # each () over the micro-batch's masked tokens
+    ratio_min, ratio_max = _token_extremes(ratio, m)
+    return {
+        "clip_frac": _token_mean(was_clipped.to(ratio.dtype), m),
+        "ratio_mean": _token_mean(ratio, m),
+        "approx_kl": _token_mean(-log_ratio, m),  # k1 estimate of KL(old || new)
+        "ratio_min": ratio_min,
+        "ratio_max": ratio_max,
+    }
+
+
+def _sequence_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B,)
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype)).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 def _clipped_surrogate(
@@ -172,11 +216,17 @@ def _clipped_surrogate(
     adv: torch.Tensor,  # (B, T)
     clip_low: float,
     clip_high: float,
+    dual_clip: float,  # 0: off
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (B, T) pg, ratio, clip removes grad
     ratio = log_ratio.clamp(max=_MAX_LOG_RATIO).exp()
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    return -torch.min(unclipped, clipped), ratio, clipped < unclipped
+    pg, removed = -torch.min(unclipped, clipped), clipped < unclipped
+    if dual_clip:  # for A < 0 a ratio far above 1 would make the loss unbounded (verl's c)
+        capped = -dual_clip * adv
+        removed = removed | ((adv < 0) & (capped < pg))
+        pg = torch.where(adv < 0, torch.minimum(pg, capped), pg)
+    return pg, ratio, removed
 
 
 def _kl_and_entropy(
@@ -233,6 +283,14 @@ def _token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:  # (B, T) -> 
     return torch.where(m, x, torch.zeros((), dtype=x.dtype)).sum() / m.sum().clamp(min=1)
 
 
+def _token_extremes(x: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of ``x`` over the masked tokens; (1, 1) when there are none (a ratio's 1)."""
+    if not m.any():
+        one = torch.ones((), dtype=x.dtype)
+        return one, one
+    return x[m].min(), x[m].max()
+
+
 @dataclass(frozen=True)
 class _Normalisers:
     """How a (B, T) per-token loss becomes the micro-batch's share of the whole batch's loss."""
@@ -240,16 +298,31 @@ class _Normalisers:
     aggregation: LossAggregation
     m: torch.Tensor  # (B, T) bool
     num_tokens: int | None  # the whole batch's response tokens (token_mean)
-    num_seqs: int | None  # the whole batch's non-empty sequences (seq_mean)
+    num_seqs: int | None  # the whole batch's non-empty sequences (seq_mean, constant)
+    norm_tokens: int | None  # the token budget per sequence (constant)
+    row_norms: torch.Tensor | None  # (B,) each row's divisor (agent_token_mean)
 
     def aggregate(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) -> ()
         m = self.m
         x = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
-        if self.aggregation is LossAggregation.TOKEN_MEAN:
-            return x.sum() / _normaliser(self.num_tokens, "num_tokens", int(m.sum()))
         seq_len = m.sum(dim=-1)  # (B,)
-        seq_mean = x.sum(dim=-1) / seq_len.clamp(min=1)  # (B,): empty rows contribute 0
-        return seq_mean.sum() / _normaliser(self.num_seqs, "num_seqs", int((seq_len > 0).sum()))
+        seqs = int((seq_len > 0).sum())
+        match self.aggregation:
+            case LossAggregation.TOKEN_MEAN:
+                return x.sum() / _normaliser(self.num_tokens, "num_tokens", int(m.sum()))
+            case LossAggregation.SEQ_MEAN:
+                seq_mean = x.sum(dim=-1) / seq_len.clamp(min=1)  # (B,): empty rows give 0
+                return seq_mean.sum() / _normaliser(self.num_seqs, "num_seqs", seqs)
+            case LossAggregation.CONSTANT if self.norm_tokens is not None:
+                budget = _normaliser(self.norm_tokens, "norm_tokens", 1)
+                return x.sum() / (_normaliser(self.num_seqs, "num_seqs", seqs) * budget)
+            case LossAggregation.AGENT_TOKEN_MEAN if self.row_norms is not None:
+                return (x.sum(dim=-1) / self.row_norms.to(x.dtype).clamp(min=1)).sum()
+            case LossAggregation.CONSTANT | LossAggregation.AGENT_TOKEN_MEAN:
+                # Without a budget / row divisors: the batch's mean length / one agent, which
+                # both come to token_mean.
+                return x.sum() / _normaliser(self.num_tokens, "num_tokens", int(m.sum()))
+        raise ValueError(f"unknown aggregation {self.aggregation!r}")
 
 
 def _normaliser(given: int | None, name: str, own: int) -> int:

@@ -25,7 +25,8 @@ class Sample:
     # lookahead credit (an agent of workflow.defers_team) after the next agent's response.
     team_reward: float
     local_reward: float
-    reward: float  # advantage.mix_reward(team_reward, local_reward, alpha, local_weight)
+    # advantage.mix_reward(team_reward, local_reward, alpha, local_weight, overlong_penalty)
+    reward: float
     valid: bool  # the completion parsed into a legal action
     kept: bool = False  # tree sampling: this branch was selected to continue the episode
     advantage: float = 0.0
@@ -33,6 +34,15 @@ class Sample:
     # The observation messages the prompt was encoded from, "<role>: <content>" per line: what
     # samples.jsonl shows, since decoding prompt_ids would show the chat template instead.
     prompt_text: str = field(default="", repr=False)
+    # Cut at max_new_tokens without an end-of-sequence token (Generation.finished is False):
+    # what training does with it is rollout.truncation's (atgrpo.algo.truncation).
+    truncated: bool = False
+    # The temperature it was sampled at: the update scores it under the same tempered
+    # distribution (invariant 3 of docs/design.md). None: greedy, or the update's default.
+    temperature: float | None = None
+    # DAPO's overlong penalty already inside ``reward`` (rollout.truncation: overlong_penalty);
+    # a trajectory return adds it up like the local rewards.
+    overlong_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):

@@ -3,9 +3,12 @@
 Tree sampling (AT-GRPO; docs/algorithm.md, "Rollout"): at every turn, for each agent in the
 workflow's turn order, every live task's agent samples K responses to the *same* prompt; each
 response is applied to its own copy of the task's env and scored with
-``alpha * team + local_weight * local``; the K samples form one group and the best branch
-becomes the task's state, from which the next agent acts. Agents act sequentially on the kept
-state (invariant 2 of docs/design.md).
+``alpha * team + local_weight * local`` (plus the response's own DAPO overlong penalty under
+``rollout.truncation: overlong_penalty``, atgrpo.algo.truncation); the K samples form one group
+and the best branch becomes the task's state, from which the next agent acts. Agents act
+sequentially on the kept state (invariant 2 of docs/design.md). Each agent samples with its own
+temperature, top-k, top-p and token cap (:meth:`RolloutSettings.params`), recorded on every
+sample with whether the response was cut at the cap.
 
 Team credit: an agent of ``workflow.defers_team`` (the tool agent, the tester) never changes the
 team reward by itself, so its K branches would all get the team reward of the state before the
@@ -33,11 +36,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from atgrpo.algo.advantage import mix_reward
 from atgrpo.algo.records import EpisodeResult, Rollout, Sample
+from atgrpo.algo.truncation import TruncationSettings
 from atgrpo.envs import MultiAgentEnv, StepOutcome
 from atgrpo.envs.base import Message
 from atgrpo.generation import Generation, Generator, SamplingParams
@@ -96,13 +100,23 @@ class _TimedStepper:
 
 
 @dataclass(frozen=True)
+class AgentSampling:
+    """One agent's own sampling settings (``rollout.agents.<id>``); None: the rollout's."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    truncation: TruncationSettings | None = None
+
+
+@dataclass(frozen=True)
 class RolloutSettings:
     """How one rollout samples; built from the config in one place
     (:mod:`atgrpo.training.settings`)."""
 
     num_generations: int  # K: branches per task and turn (tree), trajectories per task
     tree: bool
-    temperature: float | None  # None: greedy (evaluation)
+    temperature: float | None  # None: greedy (evaluation), for every agent
     top_k: int  # 0: off
     top_p: float  # 1.0: off
     max_new_tokens: dict[str, int]  # per agent
@@ -111,6 +125,31 @@ class RolloutSettings:
     # Credit each branch of an agent in workflow.defers_team with the team reward after the
     # next agent's response on it (docs/algorithm.md, "Team credit").
     lookahead: bool
+    truncation: TruncationSettings = field(default_factory=TruncationSettings)  # the default
+    per_agent: Mapping[str, AgentSampling] = field(default_factory=dict)  # overrides
+
+    def params(self, agent_id: str) -> SamplingParams:
+        """How ``agent_id`` samples: its own settings where it has them, else the rollout's."""
+        own = self.per_agent.get(agent_id, AgentSampling())
+        if self.temperature is None:  # greedy: top-k and top-p are ignored
+            return SamplingParams(self.max_new_tokens[agent_id], None, self.top_k, self.top_p)
+        return SamplingParams(
+            self.max_new_tokens[agent_id],
+            _given(own.temperature, self.temperature),
+            _given(own.top_k, self.top_k),
+            _given(own.top_p, self.top_p),
+        )
+
+    def truncation_of(self, agent_id: str) -> TruncationSettings:
+        own = self.per_agent.get(agent_id, AgentSampling())
+        return _given(own.truncation, self.truncation)
+
+
+_V = TypeVar("_V")
+
+
+def _given(own: _V | None, default: _V) -> _V:
+    return default if own is None else own
 
 
 @dataclass
@@ -211,16 +250,19 @@ def _step_agent(
     t0 = time.perf_counter()
     credit = _lookahead_team(actors, stepper, agent_id, branches) if settings.lookahead else {}
     clock["lookahead_s"] += time.perf_counter() - t0
+    params, truncation = settings.params(agent_id), settings.truncation_of(agent_id)
     samples: list[Sample] = []
     for i, slot in enumerate(slots):
         turn_idx = slot.env.turn_idx
-        rewards = []
         for k in range(per_slot):
             j = i * per_slot + k
             gen, out = generations[j], outcomes[j]
             team = credit.get(j, out.team_reward)
-            reward = mix_reward(team, out.local_reward, settings.alpha, settings.local_weight)
-            rewards.append(reward)
+            # DAPO's overlong penalty is this response's own: in its reward, not the team's.
+            penalty = truncation.penalty(len(gen.token_ids), params.max_new_tokens)
+            reward = mix_reward(
+                team, out.local_reward, settings.alpha, settings.local_weight, penalty
+            )
             samples.append(
                 Sample(
                     task_id=slot.task_id,
@@ -238,10 +280,14 @@ def _step_agent(
                     valid=out.valid,
                     response_text=gen.text,
                     prompt_text=texts[i],
+                    truncated=not gen.finished,
+                    temperature=params.temperature,
+                    overlong_penalty=penalty,
                 )
             )
-        best = max(range(per_slot), key=lambda k: rewards[k])  # first of equals on ties
-        samples[len(samples) - per_slot + best].kept = True
+        own = samples[len(samples) - per_slot :]
+        best = max(range(per_slot), key=lambda k: own[k].reward)  # first of equals on ties
+        own[best].kept = True
         if settings.tree:
             kept[(slot.task_id, agent_id, turn_idx)] = best
         slot.env = branches[i * per_slot + best]
@@ -276,9 +322,7 @@ class _Actors:
         observations = [env.observe(agent_id) for env in envs]
         prompts = [encoder(messages) for messages in observations]
         batch = [p for p in prompts for _ in range(per_env)]  # (envs * K) prompts, K in a row
-        s = self.settings
-        params = SamplingParams(s.max_new_tokens[agent_id], s.temperature, s.top_k, s.top_p)
-        generations = self.generators[policy_id].generate(batch, params)
+        generations = self.generators[policy_id].generate(batch, self.settings.params(agent_id))
         return prompts, [prompt_text(m) for m in observations], generations
 
 

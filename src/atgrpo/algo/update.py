@@ -10,6 +10,12 @@ truncated importance weights. Gradients accumulate over micro-batches with the w
 token / sequence count as the normaliser, so the step equals one full-batch step; leaving the
 zero-advantage samples out (``skip_zero_advantage``) changes neither (invariant 10).
 
+Several optimizer steps per rollout batch (``ppo_mini_batch_size``, ``ppo_epochs``;
+:mod:`atgrpo.algo.minibatch`) cut the batch into mini-batches of whole prompt groups, one step
+each, every step normalised by its own mini-batch's counts. pi_old then comes from the weights
+before the first step: the first mini-batch's from its own forward (ratio exactly 1), the
+others' from one no-gradient forward taken before that step, and later epochs reuse them.
+
 Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its worker
 group; each rank passes its shard and its :class:`DataParallel` group, whose ``all_reduce`` sums a
 tensor over the ranks. The normalisers, the gradients and the statistics are then sums over the
@@ -26,7 +32,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +43,17 @@ from atgrpo.algo.loss import (
     LossAggregation,
     LossOutput,
     OldLogprobs,
+    RatioLevel,
     entropy_from_logits,
     ppo_clip_loss,
     token_logprobs,
     truncated_is_weights,
 )
+from atgrpo.algo.minibatch import TrainerLogprobs, mini_batches
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.prefix import prompt_groups, run_prompt
 from atgrpo.algo.records import Sample
+from atgrpo.algo.truncation import Truncation
 from atgrpo.models import autocast_for
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
@@ -61,10 +70,14 @@ class DataParallel:
 
     def max(self, value: int) -> int:
         """The largest ``value`` over the ranks."""
-        slots = torch.zeros(self.size, dtype=torch.long)
+        return int(max(self.gather(float(value))))
+
+    def gather(self, value: float) -> list[float]:
+        """Every rank's ``value``, by rank (a sum of one-hot slots: the group sums only)."""
+        slots = torch.zeros(self.size, dtype=torch.float64)
         slots[self.rank] = value
         self.all_reduce(slots)
-        return int(slots.max())
+        return slots.tolist()
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,9 @@ class UpdateSettings:
     """How one policy update runs; built from the config in one place
     (:mod:`atgrpo.training.settings`)."""
 
-    temperature: float  # the rollout's; log-probs are of the tempered distribution
+    # The rollout's: log-probs are of the tempered distribution; a sample that recorded its own
+    # temperature (an agent's rollout.agents.<id>.temperature) is scored at that one.
+    temperature: float
     clip_low: float
     clip_high: float
     aggregation: LossAggregation
@@ -84,6 +99,19 @@ class UpdateSettings:
     old_logprobs: OldLogprobs
     tis_cap: float  # 0: no truncated importance weights
     share_prefix: bool  # each group's prompt computed once, its KV cache shared (exact)
+    # Optimizer steps per rollout batch (verl's actor update): the batch is cut into mini-batches
+    # of about this many samples (0: the whole batch, one step), whole prompt groups each, and
+    # passed over ppo_epochs times; one AdamW step per mini-batch.
+    ppo_mini_batch_size: int = 0
+    ppo_epochs: int = 1
+    dual_clip: float = 0.0  # c > 1 caps the loss of a negative advantage at -c A; 0: off
+    ratio_level: RatioLevel = RatioLevel.TOKEN  # sequence: GSPO
+    norm_tokens: int = 0  # the constant aggregation's token budget per response
+    agents: tuple[str, ...] = ()  # every agent the policy may act for: agent_token_mean's shares
+    # rollout.truncation, then its per-agent overrides: under MASK a response cut at
+    # max_new_tokens leaves the loss and its normalisers (TRL's mask_truncated_completions).
+    truncation: Truncation = Truncation.KEEP
+    truncation_per_agent: Mapping[str, Truncation] = dataclasses.field(default_factory=dict)
 
     @property
     def regularised(self) -> bool:
@@ -99,6 +127,7 @@ class Responses:
     mask: torch.Tensor  # (B, R) 1.0 on real response tokens
     old_logprobs: torch.Tensor  # (B, R) the sampler's
     advantages: torch.Tensor  # (B,)
+    temperatures: torch.Tensor  # (B,) float32 each row's sampling temperature; nan: the default
 
     def to(self, device: torch.device) -> Responses:
         return Responses(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
@@ -117,7 +146,11 @@ def collate_responses(samples: list[Sample], pad_id: int) -> Responses:
         mask[i, :r] = 1.0
         old[i, :r] = torch.tensor(s.logprobs)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Responses(targets, mask, old, advantages)
+    temperatures = torch.tensor(
+        [math.nan if s.temperature is None else s.temperature for s in samples],
+        dtype=torch.float32,
+    )
+    return Responses(targets, mask, old, advantages, temperatures)
 
 
 @dataclass
@@ -188,15 +221,23 @@ class UpdateStats:
     rollout_max_abs_diff: float = 0.0
     rollout_kl: float = 0.0
     computed_samples: int = 0  # those with a forward and backward (skipping saves the rest)
+    # Over the optimizer steps of one rollout batch (one step: that step's own figures).
+    optimizer_steps: int = 1  # taken (a mini-batch without signal, or non-finite, takes none)
+    ratio_min: float = 1.0  # pi / pi_old over every computed token of every step
+    ratio_max: float = 1.0
+    clip_frac_last: float = 0.0  # the last step's: how far the policy moved from pi_old
+    approx_kl_last: float = 0.0
+    steps: tuple[UpdateStats, ...] = ()  # each optimizer step's own, when there were several
 
     def metrics(self, prefix: str = "loss/") -> dict[str, float]:
         keys: tuple[str, ...] = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean")
-        keys += ("approx_kl",)
+        keys += ("approx_kl", "ratio_min", "ratio_max", "clip_frac_last", "approx_kl_last")
         keys += ("grad_norm", "rollout_abs_diff", "rollout_max_abs_diff", "rollout_kl")
         out = {prefix + k: float(getattr(self, k)) for k in keys}
         out[prefix + "skipped"] = float(self.skipped)
         out[prefix + "num_samples"] = float(self.num_samples)
         out[prefix + "computed_samples"] = float(self.computed_samples)
+        out[prefix + "optimizer_steps"] = float(self.optimizer_steps if not self.skipped else 0)
         return out
 
 
@@ -222,13 +263,15 @@ def ppo_update(
 ) -> UpdateStats:
     """One training step of ``policy`` on ``samples`` (all of them produced by it).
 
-    Only ``policy.params`` move: in L2 the policy's adapter is activated first and its optimizer
-    holds that adapter alone. The LR schedule advances once per call, whether or not the
-    optimizer steps, so it follows ``train.steps``. When no sample carries signal (every
-    advantage 0 and no KL or entropy term) the optimizer does not step, with or without
-    skipping, so the policy stays bit-identical. ``group`` (data-parallel ranks only):
-    ``samples`` is this rank's shard; counts, gradients and statistics are summed over the
-    ranks before the step.
+    The batch is cut into mini-batches (``ppo_mini_batch_size``; whole prompt groups) and passed
+    over ``ppo_epochs`` times, one optimizer step per mini-batch; by default one step on the
+    whole batch. Only ``policy.params`` move: in L2 the policy's adapter is activated first and
+    its optimizer holds that adapter alone. The LR schedule advances once per call (its unit is
+    the training step, whatever the number of optimizer steps), also when the optimizer does
+    not step, so it follows ``train.steps``. When no sample carries signal (every advantage 0
+    and no KL or entropy term) the optimizer does not step, with or without skipping, so the
+    policy stays bit-identical. ``group`` (data-parallel ranks only): ``samples`` is this rank's
+    shard; counts, gradients and statistics are summed over the ranks before each step.
     """
     try:
         return _update(policy, samples, settings, group)
@@ -242,35 +285,100 @@ def _update(
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
         raise ValueError(f"policy {policy.policy_id!r} got samples of policies {sorted(foreign)}")
-    samples = [s for s in samples if s.response_ids]
-    computed = _computed(samples, settings)
-    # The normalisers count every sample of the batch, computed or not (invariant 10).
+    # A masked cut response is a zero loss mask: out of the loss, the normalisers, the skipped
+    # and the computed samples alike, on every rank, as an empty response is.
+    samples = [s for s in samples if s.response_ids and not _masked(s, settings)]
+    counts = _counts(samples, settings, group)
+    if not counts.signal:
+        return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
+    policy.activate()
+    policy.model.train()
+    batches = mini_batches(samples, settings.ppo_mini_batch_size, counts.seqs, counts.groups)
+    olds = TrainerLogprobs(keep=len(batches) * settings.ppo_epochs > 1)
+    if olds.keep and settings.old_logprobs is OldLogprobs.TRAINER:
+        # pi_old of every later mini-batch, before the first step changes the weights; the
+        # first mini-batch's comes from its own forward (ratio exactly 1 there).
+        later = [s for batch in batches[1:] for s in _computed(batch, settings)]
+        _record_old_logprobs(policy, later, settings, olds, group)
+    steps = [
+        _optimizer_step(policy, batch, settings, group, olds)
+        for _ in range(settings.ppo_epochs)
+        for batch in batches
+    ]
+    return steps[0] if len(steps) == 1 else _summary(steps, counts, len(batches))
+
+
+@dataclass(frozen=True)
+class _Counts:
+    agent_tokens: dict[str, int]  # per agent of settings.agents (all ranks): agent_token_mean
+    tokens: int  # every response token of the batch (all ranks): the token-mean normaliser
+    seqs: int  # every response (all ranks): the seq-mean normaliser
+    signal: bool  # the loss has a gradient (a non-zero advantage, or a KL / entropy term)
+    computed: int  # samples with a forward and backward
+    groups: int  # prompt groups (identical prompts), summed over the ranks
+
+
+def _counts(samples: list[Sample], settings: UpdateSettings, group: DataParallel | None) -> _Counts:
+    """The whole (mini-)batch's counts over the ranks; every sample counts, computed or not
+    (invariant 10)."""
+    agents: tuple[str, ...] = ()
+    if _per_agent(settings):  # ranks lay the counts out alike only by settings.agents
+        if group is not None and not settings.agents:
+            raise ValueError("agent_token_mean with data parallelism needs settings.agents")
+        agents = settings.agents or tuple(sorted({s.agent_id for s in samples}))
     counts = torch.tensor(
         [
             sum(len(s.response_ids) for s in samples),
             len(samples),
             _has_signal(samples, settings),
-            len(computed),
+            len(_computed(samples, settings)),
+            len({tuple(s.prompt_ids) for s in samples}),
+            *(sum(len(s.response_ids) for s in samples if s.agent_id == a) for a in agents),
         ]
     )
-    if group is not None:
-        group.all_reduce(counts)  # the whole batch's normalisers
-    num_tokens, num_seqs, signal, num_computed = (int(c) for c in counts)
-    if not signal:
-        return UpdateStats(True, "no samples with signal", num_seqs, num_tokens)
-    policy.activate()
-    policy.model.train()
+    if group is not None:  # settings.agents: the same layout on every rank
+        group.all_reduce(counts)
+    tokens, seqs, signal, computed, groups = (int(c) for c in counts[:5])
+    per_agent = dict(zip(agents, (int(c) for c in counts[5:]), strict=True))
+    return _Counts(per_agent, tokens, seqs, bool(signal), computed, groups)
+
+
+def _optimizer_step(
+    policy: Policy,
+    samples: list[Sample],
+    settings: UpdateSettings,
+    group: DataParallel | None,
+    olds: TrainerLogprobs,
+) -> UpdateStats:
+    """One optimizer step on one mini-batch, normalised by the mini-batch's own counts."""
+    counts = _counts(samples, settings, group)
+    if not counts.signal:
+        return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
+    computed = _computed(samples, settings)
     policy.optimizer.zero_grad(set_to_none=True)
     acc = _Accumulator()
-    norm = _Normalisers(num_tokens, num_seqs)
+    norm = _Normalisers(counts.tokens, counts.seqs, counts.agent_tokens)
     if settings.share_prefix and not (group is not None and group.sharded):
-        _backward_shared(policy, computed, settings, norm, acc)
+        _backward_shared(policy, computed, settings, norm, acc, olds)
     else:
-        _backward_unshared(policy, computed, settings, norm, acc, group)
+        _backward_unshared(policy, computed, settings, norm, acc, olds, group)
     if group is not None:  # every rank reaches here, so every rank decides alike
         summed = [] if group.sharded else policy.params  # FSDP2 reduce-scattered them
-        acc.sum_over_ranks(group.all_reduce, summed)
-    return _step(policy, settings, acc, num_seqs, num_tokens, num_computed)
+        acc.sum_over_ranks(group, summed)
+    return _step(policy, settings, acc, counts)
+
+
+def _masked(sample: Sample, settings: UpdateSettings) -> bool:
+    """A response cut at max_new_tokens whose agent's ``rollout.truncation`` is mask."""
+    mode = settings.truncation_per_agent.get(sample.agent_id, settings.truncation)
+    return sample.truncated and mode is Truncation.MASK
+
+
+def _temperature(r: Responses, settings: UpdateSettings) -> torch.Tensor:  # (B, 1, 1)
+    """Each row's sampling temperature: its sample's, or the update's default where it recorded
+    none (invariant 3 of docs/design.md: agents may sample at their own temperatures)."""
+    default = torch.full_like(r.temperatures, settings.temperature)
+    return torch.where(torch.isnan(r.temperatures), default, r.temperatures)[:, None, None]
 
 
 def _has_signal(samples: list[Sample], settings: UpdateSettings) -> int:
@@ -309,6 +417,12 @@ class _Gap:
 class _Normalisers:
     num_tokens: int  # every response token of the batch (all ranks)
     num_seqs: int  # every response of the batch (all ranks)
+    agent_tokens: dict[str, int]  # per agent (all ranks)
+
+    def rows(self, chunk: list[Sample]) -> torch.Tensor:  # (B,) agent_token_mean's divisors
+        """Agents with tokens x the tokens of each row's agent: each agent weighs one share."""
+        present = sum(1 for n in self.agent_tokens.values() if n > 0)
+        return torch.tensor([present * self.agent_tokens[s.agent_id] for s in chunk])
 
 
 def _backward_unshared(
@@ -317,6 +431,7 @@ def _backward_unshared(
     settings: UpdateSettings,
     norm: _Normalisers,
     acc: _Accumulator,
+    olds: TrainerLogprobs,
     group: DataParallel | None = None,
 ) -> None:
     """Micro-batches of whole sequences, each prompt left-padded and recomputed. The ranks of a
@@ -328,13 +443,42 @@ def _backward_unshared(
     passes = group.max(len(chunks)) if group is not None and in_step else len(chunks)
     for i in range(passes):
         real = i < len(chunks)
-        batch = collate(chunks[i] if real else [_placeholder(policy)], pad_id).to(device)
+        chunk = chunks[i] if real else [_placeholder(policy)]
+        batch = collate(chunk, pad_id).to(device)
         logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
-        loss = _loss(policy, logits, batch.responses, settings, norm, full_rows=_given(batch))
+        old = olds.get(chunk, device) if real else None
+        rows = norm.rows(chunk) if real and _per_agent(settings) else None
+        result = _loss(policy, logits, batch.responses, settings, norm, _given(batch), old, rows)
         if not real:
-            (loss[0].loss * 0.0).backward()  # the collectives of a pass, a zero gradient
-        elif not _backward(loss, acc, always=in_step) and not in_step:
+            (result.out.loss * 0.0).backward()  # the collectives of a pass, a zero gradient
+            continue
+        olds.record(chunk, result.trainer)
+        if not _backward(result, acc, always=in_step) and not in_step:
             return
+
+
+@torch.no_grad()
+def _record_old_logprobs(
+    policy: Policy,
+    samples: list[Sample],
+    settings: UpdateSettings,
+    olds: TrainerLogprobs,
+    group: DataParallel | None,
+) -> None:
+    """pi_old of ``samples``: one forward in micro-batches before any step. The ranks of a
+    sharded group run the same number of forwards (FSDP2 gathers weights in each)."""
+    device = next(policy.model.parameters()).device
+    pad_id = policy.tokenizer.pad_token_id
+    chunks = _micro_batches(samples, settings.micro_batch_size)
+    sharded = group is not None and group.sharded
+    passes = group.max(len(chunks)) if group is not None and sharded else len(chunks)
+    for i in range(passes):
+        chunk = chunks[i] if i < len(chunks) else [_placeholder(policy)]
+        batch = collate(chunk, pad_id).to(device)
+        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
+        if i < len(chunks):
+            temperature = _temperature(batch.responses, settings)
+            olds.record(chunk, token_logprobs(logits, batch.responses.targets, temperature))
 
 
 def _placeholder(policy: Policy) -> Sample:
@@ -349,6 +493,7 @@ def _backward_shared(
     settings: UpdateSettings,
     norm: _Normalisers,
     acc: _Accumulator,
+    olds: TrainerLogprobs,
 ) -> None:
     """Per group of one prompt: the prompt once, its responses in chunks over its cache."""
     device = next(policy.model.parameters()).device
@@ -363,23 +508,31 @@ def _backward_shared(
             )  # (m, R, V)
             # The full rows (prompt + response) are built only for a KL reference.
             rows = functools.partial(_full_rows, chunk, pad_id, device)
-            if not _backward(_loss(policy, logits, r, settings, norm, full_rows=rows), acc):
+            old = olds.get(chunk, device)
+            weights = norm.rows(chunk) if _per_agent(settings) else None
+            result = _loss(policy, logits, r, settings, norm, rows, old, weights)
+            olds.record(chunk, result.trainer)
+            if not _backward(result, acc):
                 return
         prompt.backward()
 
 
-def _backward(result: tuple[LossOutput, _Gap], acc: _Accumulator, always: bool = False) -> bool:
+def _backward(result: _MicroLoss, acc: _Accumulator, always: bool = False) -> bool:
     """Back-propagate one micro-batch's loss; False when it is not finite, and then nothing
     done unless ``always`` (a sharded rank: the other ranks wait for its collectives)."""
-    out, gap = result
+    out = result.out
     if not torch.isfinite(out.loss):
         acc.finite = False
         if always:
             out.loss.backward()
         return False
     out.loss.backward()
-    acc.add(out, gap)
+    acc.add(out, result.gap)
     return True
+
+
+def _per_agent(settings: UpdateSettings) -> bool:
+    return settings.aggregation is LossAggregation.AGENT_TOKEN_MEAN
 
 
 def _given(batch: Batch) -> Callable[[], Batch]:
@@ -390,6 +543,13 @@ def _full_rows(chunk: list[Sample], pad_id: int, device: torch.device) -> Batch:
     return collate(chunk, pad_id).to(device)
 
 
+@dataclass(frozen=True)
+class _MicroLoss:
+    out: LossOutput
+    gap: _Gap
+    trainer: torch.Tensor  # (B, R) pi_old's log-probs as this micro-batch used them, detached
+
+
 def _loss(
     policy: Policy,
     logits: torch.Tensor,  # (B, R, V) predicting each response token
@@ -397,10 +557,17 @@ def _loss(
     settings: UpdateSettings,
     norm: _Normalisers,
     full_rows: Callable[[], Batch],  # the micro-batch's prompt + response rows, on demand
-) -> tuple[LossOutput, _Gap]:
-    """The loss of one micro-batch, normalised by the whole batch's counts, and its gap."""
-    logprobs = token_logprobs(logits, r.targets, settings.temperature)  # (B, R)
-    trainer = logprobs.detach()
+    old_trainer: torch.Tensor | None = None,  # (B, R) pi_old from before the first step
+    rows: torch.Tensor | None = None,  # (B,) agent_token_mean's divisors
+) -> _MicroLoss:
+    """The loss of one micro-batch, normalised by the (mini-)batch's counts, and its gap.
+
+    pi_old is the trainer's: ``old_trainer`` when an earlier optimizer step of this update moved
+    the weights, else this forward's own log-probs, detached (the ratio is then exactly 1).
+    """
+    temperature = _temperature(r, settings)  # (B, 1, 1): each sample's own
+    logprobs = token_logprobs(logits, r.targets, temperature)  # (B, R)
+    trainer = logprobs.detach() if old_trainer is None else old_trainer
     old = trainer if settings.old_logprobs is OldLogprobs.TRAINER else r.old_logprobs
     weights = None
     if settings.tis_cap > 0:
@@ -408,10 +575,8 @@ def _loss(
     ref_logprobs = None
     if settings.kl_coef > 0:
         ref_logits = reference_logits(policy, full_rows())
-        ref_logprobs = token_logprobs(ref_logits, r.targets, settings.temperature)
-    entropy = (
-        entropy_from_logits(logits, settings.temperature) if settings.entropy_coef > 0 else None
-    )
+        ref_logprobs = token_logprobs(ref_logits, r.targets, temperature)
+    entropy = entropy_from_logits(logits, temperature) if settings.entropy_coef > 0 else None
     out = ppo_clip_loss(
         logprobs,
         old,
@@ -425,10 +590,14 @@ def _loss(
         entropy=entropy,
         entropy_coef=settings.entropy_coef,
         is_weights=weights,
+        dual_clip=settings.dual_clip,
+        sequence_ratio=settings.ratio_level is RatioLevel.SEQUENCE,
         num_tokens=norm.num_tokens,
         num_seqs=norm.num_seqs,
+        norm_tokens=settings.norm_tokens or None,
+        row_norms=None if rows is None else rows.to(logits.device),
     )
-    return out, _gap(trainer, r.old_logprobs, r.mask)
+    return _MicroLoss(out, _gap(trainer, r.old_logprobs, r.mask), trainer)
 
 
 def _gap(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Gap:
@@ -457,8 +626,13 @@ class _Accumulator:
     )
     tokens: float = 0.0  # computed tokens
     max_abs_diff: float = 0.0
+    ratio_min: float = math.inf
+    ratio_max: float = -math.inf
 
     def add(self, out: LossOutput, gap: _Gap) -> None:
+        if gap.tokens:
+            self.ratio_min = min(self.ratio_min, float(out.ratio_min))
+            self.ratio_max = max(self.ratio_max, float(out.ratio_max))
         for k in _SUMMED:
             self.sums[k] += float(getattr(out, k).detach())
         for k in _TOKEN_MEANS:  # back from a micro-batch mean to a sum over its tokens
@@ -468,12 +642,15 @@ class _Accumulator:
         self.tokens += gap.tokens
         self.max_abs_diff = max(self.max_abs_diff, gap.max_abs_diff)
 
-    def sum_over_ranks(self, all_reduce: AllReduce, params: list[torch.nn.Parameter]) -> None:
+    def sum_over_ranks(self, group: DataParallel, params: list[torch.nn.Parameter]) -> None:
         """Sum gradients and statistics over the ranks; finite only if every rank was.
 
         A rank with no micro-batch contributes zero gradients. The max gap is summed too: an
-        upper bound, exact on one rank.
+        upper bound, exact on one rank; the ratio's extremes are the ranks' extremes.
         """
+        self.ratio_min = min(group.gather(self.ratio_min))
+        self.ratio_max = max(group.gather(self.ratio_max))
+        all_reduce = group.all_reduce
         keys = [*self.sums, *self.token_sums]
         values = [*self.sums.values(), *self.token_sums.values()]
         extra = [0.0 if self.finite else 1.0, self.tokens, self.max_abs_diff]
@@ -490,42 +667,74 @@ class _Accumulator:
     def stats(self) -> dict[str, float]:
         n = max(self.tokens, 1.0)
         means = {k: v / n for k, v in self.token_sums.items()}
+        seen = self.ratio_min <= self.ratio_max  # some token was computed
         return {
             **self.sums,
             **{k: means[k] for k in _TOKEN_MEANS},
             "rollout_abs_diff": means["abs_diff"],
             "rollout_max_abs_diff": self.max_abs_diff,
             "rollout_kl": means["kl_gap"],
+            "ratio_min": self.ratio_min if seen else 1.0,
+            "ratio_max": self.ratio_max if seen else 1.0,
         }
 
 
-def _step(
-    policy: Policy,
-    settings: UpdateSettings,
-    acc: _Accumulator,
-    num_seqs: int,
-    num_tokens: int,
-    computed: int,
-) -> UpdateStats:
+def _step(policy: Policy, settings: UpdateSettings, acc: _Accumulator, n: _Counts) -> UpdateStats:
     """The optimizer step, guarded: a non-finite loss or gradient skips it and is reported."""
     if not acc.finite:
         policy.optimizer.zero_grad(set_to_none=True)
-        return UpdateStats(True, "non-finite loss", num_seqs, num_tokens, loss=float("nan"))
+        return UpdateStats(True, "non-finite loss", n.seqs, n.tokens, loss=float("nan"))
     total = torch.nn.utils.clip_grad_norm_(policy.params, settings.grad_clip)
     grad_norm = float(getattr(total, "full_tensor", lambda: total)())  # a DTensor when sharded
     if not math.isfinite(grad_norm):
         policy.optimizer.zero_grad(set_to_none=True)
-        return UpdateStats(True, "non-finite gradient", num_seqs, num_tokens, grad_norm=grad_norm)
+        return UpdateStats(True, "non-finite gradient", n.seqs, n.tokens, grad_norm=grad_norm)
     policy.optimizer.step()
     policy.optimizer.zero_grad(set_to_none=True)
+    stats = acc.stats()
+    stats.update(clip_frac_last=stats["clip_frac"], approx_kl_last=stats["approx_kl"])
     return UpdateStats(
         False,
         "",
-        num_seqs,
-        num_tokens,
+        n.seqs,
+        n.tokens,
         grad_norm=grad_norm,
-        computed_samples=computed,
-        **acc.stats(),
+        computed_samples=n.computed,
+        optimizer_steps=1,
+        steps=(),
+        **stats,
+    )
+
+
+_MEANS: tuple[str, ...] = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean")
+_MEANS += ("approx_kl", "grad_norm", "rollout_abs_diff", "rollout_kl")
+
+
+def _summary(steps: list[UpdateStats], batch: _Counts, per_epoch: int) -> UpdateStats:
+    """One training step's figures from its optimizer steps: means over the steps taken
+    (each a mini-batch's), the ratio's extremes, the last step's clip fraction and KL to
+    pi_old, the samples computed in the first epoch."""
+    taken = [s for s in steps if not s.skipped]
+    if not taken:
+        first = steps[0]
+        return dataclasses.replace(
+            first, num_samples=batch.seqs, num_tokens=batch.tokens, steps=tuple(steps)
+        )
+    means = {k: sum(getattr(s, k) for s in taken) / len(taken) for k in _MEANS}
+    return UpdateStats(
+        False,
+        "",
+        batch.seqs,
+        batch.tokens,
+        **means,
+        rollout_max_abs_diff=max(s.rollout_max_abs_diff for s in taken),
+        computed_samples=sum(s.computed_samples for s in steps[:per_epoch]),
+        optimizer_steps=len(taken),
+        ratio_min=min(s.ratio_min for s in taken),
+        ratio_max=max(s.ratio_max for s in taken),
+        clip_frac_last=taken[-1].clip_frac,
+        approx_kl_last=taken[-1].approx_kl,
+        steps=tuple(steps),
     )
 
 

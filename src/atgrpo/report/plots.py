@@ -93,6 +93,10 @@ def agent_tokens(run: Run) -> list[Curve]:
     return [_curve(a, run, f"rollout/{a}/response_tokens") for a in run.agents]
 
 
+def agent_truncated(run: Run) -> list[Curve]:
+    return [_curve(a, run, f"rollout/{a}/truncated_frac") for a in run.agents]
+
+
 def splits(metric: str) -> CurvesOf:
     """Training rollouts, validation during training, the test split before and after."""
     return lambda run: [
@@ -207,6 +211,16 @@ SPECS: list[PlotSpec] = [
         "tokens",
         "Mean sampled tokens per response.",
         agent_tokens,
+        section=SIGNAL,
+    ),
+    PlotSpec(
+        "truncated",
+        "Responses cut at the token cap per agent",
+        "cut share",
+        "Share of each agent's responses that reached max_new_tokens without ending "
+        "(rollout.truncation says what training does with them).",
+        agent_truncated,
+        unit_range=True,
         section=SIGNAL,
     ),
     PlotSpec(

@@ -4,7 +4,9 @@
         tasks      <- B seeded train-split instances
         rollout    <- tree sampling: per turn, per agent, K branches on env copies, keep the best
         advantages <- normalise rewards within (task, agent, turn) groups
-        update     <- per policy, PPO-clip over its own samples, one optimizer step
+        filter     <- algo.filter drops groups (and refills tasks); training/batch.py
+        update     <- per policy, PPO-clip over its own samples: one optimizer step, or one per
+                      mini-batch (train.ppo_mini_batch_size, train.ppo_epochs)
         maybe evaluate on validation tasks, maybe checkpoint, log (run.loggers)
 
 Launch: ``atgrpo train configs/demo.yaml`` (``--resume`` to continue a killed run, from its
@@ -28,14 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from atgrpo import checkpoint as ckpt
-from atgrpo.algo.advantage import AdvantageStats, Grouping, assign_advantages
 from atgrpo.algo.records import Rollout, Sample
-from atgrpo.algo.rollout import collect_rollout
 from atgrpo.algo.update import UpdateStats
 from atgrpo.config import BackendKind, Config, Sampling
-from atgrpo.envs import Split, make_env, split_seeds
+from atgrpo.envs import Split, split_seeds
 from atgrpo.policies import route_samples
-from atgrpo.training.evaluation import EvalReport, instance_key
+from atgrpo.training.batch import collect_tasks, filtered_batch, refill
+from atgrpo.training.evaluation import EvalReport
 from atgrpo.training.metrics import (
     group_metrics,
     log_samples,
@@ -51,7 +52,7 @@ from atgrpo.training.run_dir import (
     sigterm_stops,
 )
 from atgrpo.training.runtime import Learner, Runtime, build_runtime, seed_everything
-from atgrpo.training.settings import advantage_settings, train_rollout_settings, update_settings
+from atgrpo.training.settings import update_settings
 from atgrpo.training.tracking import Loggers, build_loggers
 
 
@@ -72,53 +73,39 @@ def _step_seed(run_seed: int, step: int) -> int:
 
 def _collect(rt: Runtime, step: int) -> tuple[Rollout, list[str | None]]:
     """The step's rollout, and each task's instance key (for samples.jsonl)."""
-    cfg = rt.cfg
-    b = cfg.rollout.num_tasks
-    seeds = split_seeds(Split.TRAIN, b, start=step * b)
-    envs = []
-    for seed in seeds:
-        env = make_env(cfg.env)
-        env.reset(seed=seed, options={"split": Split.TRAIN.value})
-        envs.append(env)
-    keys = [instance_key(env) for env in envs]
-    rollout = collect_rollout(
-        envs,
-        seeds,
-        generators=rt.generators,
-        policy_of=rt.policy_of,
-        encode=rt.encode,
-        settings=train_rollout_settings(cfg, rt.agents),
-        stepper=rt.stepper,
-    )
-    return rollout, keys
+    b = rt.cfg.rollout.num_tasks
+    return collect_tasks(rt, split_seeds(Split.TRAIN, b, start=step * b))
 
 
 def policy_metrics(
     learners: dict[str, Learner], updates: dict[str, UpdateStats]
 ) -> dict[str, float]:
-    """``loss/...`` and ``perf/lr``; namespaced ``loss/<policy>/...`` when there are several."""
+    """``loss/...`` and ``perf/lr``; namespaced ``loss/<policy>/...`` when there are several
+    (counting the frozen ones, which have no update and no entries)."""
     out: dict[str, float] = {}
     for pid, stats in updates.items():
-        one = len(updates) == 1
+        one = len(learners) == 1
         out.update(stats.metrics("loss/" if one else f"loss/{pid}/"))
         out["perf/lr" if one else f"perf/lr/{pid}"] = learners[pid].last_lr()
     return out
 
 
-def _advantages(cfg: Config, samples: list[Sample]) -> AdvantageStats:
-    # Invariant 1: in AT-GRPO with tree sampling every group holds K samples of one prompt.
-    strict = cfg.algo.grouping is Grouping.AGENT_TURN and cfg.rollout.sampling is Sampling.TREE
-    return assign_advantages(samples, advantage_settings(cfg), require_identical_prompts=strict)
-
-
 def update_policies(rt: Runtime, samples: list[Sample]) -> dict[str, UpdateStats]:
-    """Route every sample to the policy that produced it; one PPO step per policy.
+    """Route every sample to the policy that produced it; one PPO step per trainable policy.
 
-    Every policy takes its step, with no samples too, so each LR schedule follows train.steps.
+    Every trainable policy takes its step, with no samples too, so each LR schedule follows
+    train.steps. A policy of ``trainable: false`` is left out: its samples are dropped here, its
+    weights, optimizer and schedule never step, and it has no entry in the result.
     """
-    settings = update_settings(rt.cfg)
+    # Every agent of the step, in one order: the same per-agent count layout on every rank.
+    settings = update_settings(rt.cfg, tuple(sorted({s.agent_id for s in samples})))
     routed = route_samples(samples, list(rt.learners))  # each policy learns from its own samples
-    started = {pid: rt.learners[pid].update(own, settings) for pid, own in routed.items()}
+    frozen = {pid for pid, policy in rt.cfg.policies.items() if not policy.trainable}
+    started = {
+        pid: rt.learners[pid].update(own, settings)
+        for pid, own in routed.items()
+        if pid not in frozen
+    }
     return {pid: update.result() for pid, update in started.items()}
 
 
@@ -189,14 +176,18 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
         with stages.time("rollout"):
             rollout, keys = _collect(rt, step)
         with stages.time("update"):
-            adv_stats = _advantages(cfg, rollout.samples)
-            updates = update_policies(rt, rollout.samples)
+            batch = filtered_batch(cfg, rollout)  # advantages, then algo.filter
+        with stages.time("rollout"):
+            refill(rt, step, batch)  # algo.filter_refill: more tasks while too few kept a group
+        with stages.time("update"):
+            updates = update_policies(rt, batch.samples)
             with stages.time("sync"):
                 sync_engines(rt, updates)
         _log_samples(cfg, step, rollout, keys)
         metrics = rollout_metrics(rollout)
-        metrics.update(adv_stats.metrics())
+        metrics.update(batch.advantages.metrics())
         metrics.update(group_metrics(rollout.samples, cfg.algo.grouping))
+        metrics.update(batch.metrics())
         metrics.update(policy_metrics(rt.learners, updates))
         metrics["rollout/prompts_truncated"] = float(rt.take_truncations())
         with stages.time("eval"):
@@ -206,7 +197,7 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
             last = step == cfg.train.steps
             due = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
             written = _write_checkpoint(rt, step, metrics) if due else None
-    metrics.update(perf_metrics(stages.seconds, rollout, gpus))
+    metrics.update(perf_metrics(stages.seconds, batch.sampled(), gpus))
     return metrics, written
 
 

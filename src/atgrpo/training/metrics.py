@@ -26,7 +26,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def rollout_metrics(rollout: Rollout) -> dict[str, float]:
-    """Per-agent rewards (mean over all K samples) and episode outcomes of one rollout."""
+    """Per-agent rewards (mean over all K samples), response lengths and cut shares, and
+    episode outcomes of one rollout."""
     out: dict[str, float] = {}
     by_agent: dict[str, list[Any]] = defaultdict(list)
     for s in rollout.samples:
@@ -38,6 +39,8 @@ def rollout_metrics(rollout: Rollout) -> dict[str, float]:
         out[f"reward/{agent}/local"] = sum(s.local_reward for s in samples) / n
         out[f"reward/{agent}/valid"] = sum(s.valid for s in samples) / n
         out[f"rollout/{agent}/response_tokens"] = sum(len(s.response_ids) for s in samples) / n
+        # Cut at max_new_tokens: how much rollout.truncation (or a larger cap) matters.
+        out[f"rollout/{agent}/truncated_frac"] = sum(s.truncated for s in samples) / n
     episodes = rollout.episodes
     out["rollout/success"] = sum(e.success for e in episodes) / len(episodes)
     out["rollout/team_return"] = sum(e.team_return for e in episodes) / len(episodes)

@@ -176,7 +176,7 @@ def _check_config(cfg: Config, checkpoint: Path, force: bool) -> None:
     if saved is None:
         _warn(f"resume from {checkpoint.name}: no saved config to compare this one with")
         return
-    changes = config_changes(saved, cfg.model_dump(mode="json"))
+    changes = config_changes(_with_defaults(saved), cfg.model_dump(mode="json"))
     fixed = [c for c in changes if _is_fixed(c[0])]
     if fixed and not force:
         listed = "; ".join(_show_change(c) for c in fixed)
@@ -198,6 +198,16 @@ def _saved_config(cfg: Config, checkpoint: Path) -> dict[str, Any] | None:
     path = cfg.run_dir / "config.yaml"
     loaded = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
     return loaded if isinstance(loaded, dict) else None
+
+
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """The saved config with every key added to the config tree since, at its default (which
+    keeps the older behaviour, e.g. ``policies.<id>.trainable``), so a new key is no change;
+    as it was saved when today's tree no longer reads it."""
+    try:
+        return Config.model_validate(saved).model_dump(mode="json")
+    except ValueError:  # pydantic's ValidationError, or a config check of today's tree
+        return saved
 
 
 _UNSET = object()  # a key one of two configs lacks

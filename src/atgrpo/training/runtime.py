@@ -120,6 +120,7 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
     """
     agents = make_env(cfg.env).possible_agents
     policy_of = resolve_routing(cfg, agents)
+    cfg.check_agent_ids(agents)  # before any model is loaded
     weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
     policies: dict[str, Policy] = {}
     on_close: list[Callable[[], None]] = []

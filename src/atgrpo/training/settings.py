@@ -6,17 +6,30 @@ Training, evaluation and comparison all call these, so a setting means the same 
 from __future__ import annotations
 
 from atgrpo.algo.advantage import AdvantageSettings, Grouping
-from atgrpo.algo.rollout import RolloutSettings
+from atgrpo.algo.filtering import FilterSettings
+from atgrpo.algo.rollout import AgentSampling, RolloutSettings
+from atgrpo.algo.truncation import TruncationSettings
 from atgrpo.algo.update import UpdateSettings
-from atgrpo.config import Config, Sampling, TeamCredit
+from atgrpo.config import AgentRollout, Config, Sampling, TeamCredit
 
 
 def _max_new_tokens(cfg: Config, agents: tuple[str, ...], default: int) -> dict[str, int]:
-    return {a: cfg.rollout.max_new_tokens_per_agent.get(a, default) for a in agents}
+    """Each agent's own cap (``rollout.agents.<id>`` or its older spelling), else ``default``."""
+    return {a: cfg.rollout.max_new_tokens_override(a) or default for a in agents}
+
+
+def _train_sampling(agent: AgentRollout) -> AgentSampling:
+    """One agent's sampling and truncation settings in a training rollout."""
+    truncation = TruncationSettings(
+        agent.truncation, agent.overlong_buffer, agent.overlong_penalty_factor
+    )
+    return AgentSampling(agent.temperature, agent.top_k, agent.top_p, truncation)
 
 
 def train_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettings:
-    """A training rollout: K branches (tree) or K trajectories (independent), sampled."""
+    """A training rollout: K branches (tree) or K trajectories (independent), sampled, each agent
+    with its own settings (``rollout.agents``)."""
+    cfg.check_agent_ids(agents)
     r, algo = cfg.rollout, cfg.algo
     return RolloutSettings(
         num_generations=r.num_generations,
@@ -30,13 +43,21 @@ def train_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSetti
         # A trajectory's return already holds the team outcome its actions led to.
         lookahead=algo.team_credit is TeamCredit.LOOKAHEAD
         and algo.grouping is not Grouping.TRAJECTORY,
+        per_agent={a: _train_sampling(r.agent(a)) for a in agents},
     )
 
 
 def eval_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettings:
-    """A held-out rollout: greedy (n = 1) or n independent episodes sampled per task."""
+    """A held-out rollout: greedy (n = 1) or n independent episodes sampled per task, each agent
+    with its own top-k / top-p and temperature (``eval.temperature`` over every agent's), its
+    cut responses kept (nothing is trained)."""
+    cfg.check_agent_ids(agents)
     n = cfg.eval.samples_per_task
     sampled = n > 1
+    per_agent = {
+        a: AgentSampling(cfg.eval.temperature or own.temperature, own.top_k, own.top_p)
+        for a, own in ((a, cfg.rollout.agent(a)) for a in agents)
+    }
     return RolloutSettings(
         num_generations=n,
         tree=not sampled,  # n = 1: one greedy branch; n > 1: n independent sampled episodes
@@ -49,6 +70,7 @@ def eval_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettin
         alpha=cfg.algo.alpha,
         local_weight=cfg.algo.local_weight,
         lookahead=False,  # nothing is trained on held-out rewards
+        per_agent=per_agent if sampled else {},
     )
 
 
@@ -61,10 +83,20 @@ def advantage_settings(cfg: Config) -> AdvantageSettings:
         eps=algo.adv_eps,
         alpha=algo.alpha,
         local_weight=algo.local_weight,
+        std_scope=algo.adv_std_scope,
     )
 
 
-def update_settings(cfg: Config) -> UpdateSettings:
+def filter_settings(cfg: Config) -> FilterSettings:
+    """Group filtering on the advantages' own groups and rewards (``advantage_settings``)."""
+    return FilterSettings(
+        rule=cfg.algo.filter, ratio=cfg.algo.filter_ratio, groups=advantage_settings(cfg)
+    )
+
+
+def update_settings(cfg: Config, agents: tuple[str, ...] = ()) -> UpdateSettings:
+    """``agents``: every agent of the env, so that agent_token_mean lays its per-agent counts out
+    alike on every data-parallel rank (the training loop passes them)."""
     algo = cfg.algo
     return UpdateSettings(
         temperature=cfg.rollout.temperature,
@@ -79,4 +111,14 @@ def update_settings(cfg: Config) -> UpdateSettings:
         old_logprobs=algo.old_logprobs,
         tis_cap=algo.tis_cap,
         share_prefix=cfg.train.share_prefix,
+        ppo_mini_batch_size=cfg.train.ppo_mini_batch_size,
+        ppo_epochs=cfg.train.ppo_epochs,
+        dual_clip=algo.dual_clip,
+        ratio_level=algo.ratio_level,
+        norm_tokens=algo.loss_norm_tokens or cfg.rollout.max_new_tokens,
+        agents=agents,
+        truncation=cfg.rollout.truncation,
+        truncation_per_agent={
+            a: own.truncation for a, own in cfg.rollout.agents.items() if own.truncation is not None
+        },
     )
