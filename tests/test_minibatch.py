@@ -153,3 +153,18 @@ def test_two_ranks_take_the_same_mini_batch_steps(tmp_path: Path) -> None:
     assert got[0].num_samples == 8
     for a, b in zip(ranks[0].params, ranks[1].params, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_mini_batches_of_an_adapter_leave_the_other_adapter_and_the_base_alone() -> None:
+    from atgrpo.policies import build_policies
+
+    policies = build_policies(load_config(REPO / "configs" / "tiny-lora.yaml"))
+    tool, planner = policies["tool"], policies["planner"]
+    samples = [dataclasses.replace(s, policy_id="tool") for s in _samples(tool)]
+    model = tool.model
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    stats = ppo_update(tool, samples, dataclasses.replace(BASE, ppo_mini_batch_size=2))
+    assert stats.optimizer_steps == 4 and stats.steps[0].ratio_max == 1.0
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+    assert changed and all(".tool." in k for k in changed)  # invariant 4 over every step
+    assert planner.scheduler.last_epoch == 0

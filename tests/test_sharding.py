@@ -225,3 +225,28 @@ def test_a_run_trains_checkpoints_and_resumes_through_a_sharded_group(
     longer = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": 3})})
     resumed = train(longer, resume=True)
     assert resumed.steps_done == 3 and len(resumed.history) == 1
+
+
+@pytest.mark.scale
+def test_sharded_ranks_take_several_optimizer_steps_per_rollout(
+    two_nodes: Any, tmp_path: Path
+) -> None:
+    import dataclasses
+
+    from atgrpo.distributed import start_ray_policies
+
+    cfg = _sharded(TINY, tmp_path, two_nodes, "shared")
+    # Mini-batches of 2 samples, at most one per prompt group (the driver deals whole groups to
+    # the ranks, so they count them exactly), passed over twice.
+    settings = dataclasses.replace(_settings(kl=0.0), ppo_mini_batch_size=2, ppo_epochs=2)
+    batch = mixed_batch(build_policy(cfg))
+    per_epoch = min(-(-len(batch) // 2), len({tuple(s.prompt_ids) for s in batch}))
+    remote = start_ray_policies(cfg)
+    try:
+        got = remote.learners["shared"].update(batch, settings).result()
+        remote.learners["shared"].save(tmp_path / "ck" / "policy-shared")
+    finally:
+        remote.close()
+    assert not got.skipped and len(got.steps) == 2 * per_epoch
+    assert got.steps[0].ratio_max == 1.0 and got.steps[0].clip_frac == 0.0
+    assert (tmp_path / "ck" / "policy-shared" / "sharded").is_dir()

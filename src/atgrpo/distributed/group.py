@@ -26,6 +26,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from atgrpo.algo.prefix import prompt_groups
 from atgrpo.algo.records import Sample
 from atgrpo.algo.update import UpdateSettings, UpdateStats
 from atgrpo.config import Config, Sharding, WorkerGroupConfig
@@ -99,6 +100,17 @@ def _contiguous(items: list[Any], parts: int) -> list[list[Any]]:
     return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
+def _shards(samples: list[Sample], ranks: int, whole_groups: bool) -> list[list[Sample]]:
+    """Balanced shards, sorted by length and dealt round-robin: samples one by one (any split
+    gives the same single step), or whole prompt groups when the update takes several steps, so
+    that each mini-batch holds whole groups and the ranks count the groups exactly."""
+    if not whole_groups:
+        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+        return [ordered[rank::ranks] for rank in range(ranks)]
+    groups = sorted(prompt_groups(samples), key=lambda g: -sum(len(s.response_ids) for s in g))
+    return [[s for g in groups[rank::ranks] for s in g] for rank in range(ranks)]
+
+
 class RemoteGenerator:
     """One policy's rollout engine in its worker group (a :class:`Generator`)."""
 
@@ -133,12 +145,11 @@ class RemoteLearner:
 
     def update(self, samples: list[Sample], settings: UpdateSettings) -> Future[UpdateStats]:
         workers = self.group.workers
-        # Balanced shards: sorted by length, dealt round-robin. Any split gives the same step.
-        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+        shards = _shards(samples, len(workers), whole_groups=settings.ppo_mini_batch_size > 0)
         rng = torch.get_rng_state()
         refs = [
-            worker.update.remote(self.policy_id, ordered[rank :: len(workers)], settings, rng)
-            for rank, worker in enumerate(workers)
+            worker.update.remote(self.policy_id, shard, settings, rng)
+            for worker, shard in zip(workers, shards, strict=True)
         ]
         # Every rank returns the same whole-batch statistics; rank 0's stand for the group.
         return self.group.waiter.submit(lambda: get_all(refs)[0])
