@@ -283,3 +283,16 @@ def test_compare_train_trains_resumes_and_caches(
     out = capsys.readouterr().out
     assert "runs: 2 planned, 2 were already finished" in out and "training:" not in out
     assert [p.stat().st_mtime_ns for p in evals] == stamps  # read back, not evaluated again
+
+
+def test_seeds_picks_some_of_the_files_seeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from atgrpo.cli import main
+
+    path = _grid_file(tmp_path, seeds=[0, 1, 2])
+    assert main(["compare", str(path), "--status", "--seeds", "2,0"]) == 0
+    listed = [line.split("seed ")[1].split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["0", "2"]  # the file's order, seed 1 left out
+    assert main(["compare", str(path), "--status", "--seeds", "3"]) == 2
+    assert "[3] not among the file's seeds [0, 1, 2]" in capsys.readouterr().err

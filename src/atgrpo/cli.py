@@ -248,6 +248,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     comparison = load_comparison(args.file)
     if args.num_tasks:
         comparison.eval["num_tasks"] = args.num_tasks
+    if args.seeds:
+        comparison.seeds = _some_seeds(args.seeds, comparison.seeds)
     if args.output_dir:
         comparison.output_dir = args.output_dir
     if args.train:
@@ -256,6 +258,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _print_grid_status(comparison)
         return 0
     return _evaluate_comparison(comparison)
+
+
+def _some_seeds(given: str, seeds: list[int]) -> list[int]:
+    """``--seeds 0,2``: a subset of the file's seeds, in the file's order."""
+    try:
+        chosen = {int(s) for s in given.split(",")}
+    except ValueError:
+        raise ConfigError(f"--seeds {given!r}: give seeds as integers, e.g. --seeds 0,1") from None
+    if unknown := sorted(chosen - set(seeds)):
+        raise ConfigError(f"--seeds {given!r}: {unknown} not among the file's seeds {seeds}")
+    return [s for s in seeds if s in chosen]
 
 
 def _print_grid_status(comparison: Any) -> None:
@@ -434,6 +447,11 @@ def _add_compare(sub: _Commands) -> None:
     )
     p.add_argument(
         "--status", action="store_true", help="list the training runs and how far each got"
+    )
+    p.add_argument(
+        "--seeds",
+        metavar="S,S",
+        help="only these of the file's seeds, e.g. 0 for a table of the runs finished so far",
     )
     p.set_defaults(func=cmd_compare)
 
