@@ -13,6 +13,8 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
+
 from atgrpo import checkpoint as ckpt
 from atgrpo import evaluate, load_checkpoint, train
 from atgrpo.config import load_config
@@ -50,3 +52,43 @@ def test_an_old_run_resumes_and_reports(tmp_path: Path) -> None:
         saved = sorted(p.name for p in (result.checkpoint / f"policy-{pid}").iterdir())  # type: ignore[operator]
         assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
     assert write_report([cfg.run_dir], tmp_path / "report.html").is_file()
+
+
+class _RunsCode:
+    """Unpickling this calls ``Path.touch`` on a marker: a stand-in for any code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (Path.touch, (str(self.marker),))  # type: ignore[return-value]
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from atgrpo.checkpoint.steps import _write_manifest
+    from atgrpo.cli import main
+
+    cfg = _copy(tmp_path)
+    folder = cfg.run_dir / "checkpoints" / "step-000001"
+    marker = tmp_path / "ran"
+    optim = folder / "policy-tool" / "optim.pt"
+    torch.save({"optimizer": _RunsCode(marker), "scheduler": {}}, optim)
+    (folder / "manifest.json").unlink()
+    _write_manifest(folder)  # as its author would: the manifest matches the files
+    common = [f"run.output_dir={tmp_path}", "run.name=old-layout", "rollout.max_new_tokens=8"]
+    config = str(REPO / "configs" / "tiny-lora.yaml")
+    assert main(["train", config, *common, "train.steps=2", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert str(optim) in err[-1] and "(it names getattr); refusing to load it" in err[-1]
+    assert not marker.exists()
+    shutil.copy(FIXTURE / "checkpoints" / "step-000001" / "policy-tool" / "optim.pt", optim)
+    rng = folder / "rng.pt"  # the RNG state too
+    torch.save({"python": _RunsCode(marker)}, rng)
+    (folder / "manifest.json").unlink()
+    _write_manifest(folder)
+    assert main(["train", config, *common, "train.steps=2", "--resume"]) == 2
+    assert str(rng) in capsys.readouterr().err and not marker.exists()

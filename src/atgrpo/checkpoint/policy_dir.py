@@ -15,11 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from atgrpo.adapters import ADAPTER_CONFIG, save_adapter
 from atgrpo.algo.policy import Policy
-from atgrpo.checkpoint.steps import save_torch
+from atgrpo.checkpoint.steps import load_torch, save_torch
 
 OPTIM_FILE = "optim.pt"  # a replicated policy's optimizer and LR-scheduler state
 SHARDED_DIR = "sharded"  # a sharded policy's torch.distributed.checkpoint
@@ -101,7 +99,7 @@ def restore_policy_state(checkpoint: Path, policy: Policy) -> None:
     if (folder / SHARDED_DIR).is_dir():
         _load_sharded(folder, policy)
         return
-    saved = torch.load(folder / OPTIM_FILE, weights_only=False)
+    saved = load_torch(folder / OPTIM_FILE)
     policy.optimizer.load_state_dict(saved["optimizer"])
     policy.scheduler.load_state_dict(saved["scheduler"])
 
@@ -156,5 +154,5 @@ def _load_sharded(folder: Path, policy: Policy) -> None:
         optim_state_dict=state["optim"],
         options=StateDictOptions(ignore_frozen_params=True),
     )
-    saved = torch.load(folder / SCHEDULER_FILE, weights_only=False)
+    saved = load_torch(folder / SCHEDULER_FILE)
     policy.scheduler.load_state_dict(saved["scheduler"])

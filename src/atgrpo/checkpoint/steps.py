@@ -23,7 +23,9 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import tempfile
 import warnings
@@ -33,6 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+try:  # NumPy 2 moved its core module; the pickles name the one they were written with
+    from numpy._core.multiarray import _reconstruct as _numpy_reconstruct
+except ImportError:  # NumPy 1
+    from numpy.core.multiarray import _reconstruct as _numpy_reconstruct  # type: ignore[no-redef]
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -84,6 +91,31 @@ def save_torch(obj: Any, path: Path) -> None:
     raises but would keep the file open, and its space taken, as long as the error lives."""
     with path.open("wb") as f:
         torch.save(obj, f)
+
+
+# Beside tensors, numbers, strings and containers, a checkpoint's .pt files hold one kind of
+# object: NumPy's RNG state (an array and its dtype) in rng.pt.
+_NUMPY_STATE: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+    _numpy_reconstruct,
+]
+
+
+def load_torch(path: Path) -> Any:
+    """``torch.load`` that runs no pickled code (``weights_only``): a .pt file of a checkpoint
+    someone else wrote cannot execute anything; one that tries is a :class:`CheckpointError`."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_STATE):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f"it names {found.group(1)}" if found else "it is no plain torch file"
+        raise CheckpointError(
+            f"{path} holds pickled objects beyond tensors and plain data, which could run code "
+            f"({what}); refusing to load it: resume or evaluate a checkpoint atgrpo wrote"
+        ) from None
 
 
 def save_checkpoint(
@@ -329,7 +361,7 @@ def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def restore_rng(checkpoint: Path) -> None:
-    saved = torch.load(checkpoint / "rng.pt", weights_only=False)
+    saved = load_torch(checkpoint / "rng.pt")
     random.setstate(saved["python"])
     np.random.set_state(saved["numpy"])
     torch.set_rng_state(saved["torch"])
