@@ -61,6 +61,13 @@ test-browser: $(VENV)/.test
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	@$(VENV)/bin/pytest -q -m browser; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
 
+# Opt-in: the sandbox tests on both backends, unshare and bubblewrap (Debian's package, installed
+# here when missing); the bwrap runs fail instead of skipping.
+.PHONY: test-sandbox
+test-sandbox: $(VENV)/.test
+	command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -qq bubblewrap)
+	@ATGRPO_TEST_BOTH_SANDBOXES=1 $(VENV)/bin/pytest -q tests/test_sandbox.py; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
+
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples

@@ -43,3 +43,23 @@ class FakeSandbox:
     ) -> sandbox.SandboxResult:
         self.calls.append(code)
         return sandbox.SandboxResult(self.status, self.stdout, "", 0, 0.01)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line: which sandbox backends the run's sandbox tests ran on."""
+    ran: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    for key, counts in (("passed", ran), ("failed", ran), ("skipped", skipped)):
+        for report in terminalreporter.stats.get(key, []):
+            for backend in ("unshare", "bwrap"):
+                if f"[{backend}" in getattr(report, "nodeid", ""):
+                    counts[backend] = counts.get(backend, 0) + 1
+    if not ran and not skipped:
+        return
+    parts = [
+        f"{b} {'ran ' + str(ran[b]) if b in ran else 'skipped'}"
+        for b in ("unshare", "bwrap")
+        if b in ran or b in skipped
+    ]
+    hint = "" if "bwrap" in ran else " (make test-sandbox installs bubblewrap and runs both)"
+    terminalreporter.write_line(f"sandbox backends: {', '.join(parts)}{hint}")
