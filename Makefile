@@ -114,3 +114,19 @@ $(VENV)/.ray: $(VENV)/.test
 .PHONY: test-scale
 test-scale: $(VENV)/.ray
 	@$(VENV)/bin/pytest -q -m scale; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
+
+# The GPU check (bench/gpu_check.py: a Qwen3-1.7B-shaped model, shared policy, resume, two LoRA
+# roles, one FSDP2 rank, in minutes). `make gpu-wheels` downloads the wheels a bare CUDA machine
+# with Python 3.12, torch and transformers lacks into bench/gpu-wheels/ (about 6 MB, ignored by
+# git: carry it with the checkout); there `bash bench/gpu_check.sh --device cuda` installs them
+# and runs the check. `make gpu-check` runs it here on the CPU path (the tiny model).
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
+	peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 rich==15.0.0 markdown-it-py mdurl pygments
+.PHONY: gpu-wheels gpu-check
+gpu-wheels: $(VENV)/.torch
+	$(PIP) download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--abi cp312 --abi abi3 --abi none --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d bench/gpu-wheels $(GPU_WHEELS)
+
+gpu-check: $(VENV)/.test
+	PYTHON=$(PY) bash bench/gpu_check.sh --device cpu
