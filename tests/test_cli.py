@@ -206,3 +206,46 @@ def test_train_prints_held_out_success_with_intervals_and_the_paired_gain(
     for line in lines[:2]:  # "success 33.3% [6.1, 79.2] on 3 test tasks"
         assert re.search(r"success \d+\.\d% \[\d+\.\d, \d+\.\d\] on 3 test tasks", line), line
     assert re.match(r"gain: [+-]\d+\.\d points \[[+-]\d+\.\d, [+-]\d+\.\d\] \(95 %", lines[2])
+
+
+def test_resume_of_a_run_that_does_not_exist_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [TINY, f"run.output_dir={tmp_path}", "run.name=typo", "--resume"]
+    code, _, err = _run(capsys, "train", *args)
+    assert code == 2 and "no run folder" in err and "drop --resume" in err
+    assert not (tmp_path / "typo").exists()  # nothing made, nothing trained
+
+
+def test_zero_steps_name_no_metrics_file_and_a_missing_config_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = _run(capsys, "train", TINY, f"run.output_dir={tmp_path}", "train.steps=0")
+    assert code == 0 and "metrics:" not in out
+    with pytest.raises(SystemExit):
+        main(["train"])
+    assert "required: config\n" in capsys.readouterr().err  # not "config, overrides"
+
+
+def test_ctrl_c_names_the_step_to_resume_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from atgrpo.training import loop
+
+    args = [TINY, f"run.output_dir={tmp_path}", *FAST, "train.steps=1"]
+    assert _run(capsys, "train", *args)[0] == 0  # a checkpoint at step 1
+
+    def interrupt(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "_train_step", interrupt)
+    code, _, err = _run(capsys, "train", *args[:-1], "train.steps=3", "--resume")
+    assert code == 130 and "resume from step 1 (" in err and "--resume" in err
+
+
+def test_write_eval_json_takes_a_string_path(tmp_path: Path) -> None:
+    from atgrpo.training.evaluation import EvalReport, write_eval_json
+
+    report = EvalReport("test", 1, 1.0, 1.0, {}, {}, 1, {})
+    out = write_eval_json(report, str(tmp_path / "e.json"))
+    assert out == tmp_path / "e.json" and out.is_file()

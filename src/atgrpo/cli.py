@@ -139,11 +139,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     except Interrupted as exc:  # SIGTERM: stopped after a step, its checkpoint written
         print(f"interrupted: {exc}", file=sys.stderr)
         return 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # Ctrl-C: wherever it fell, the newest committed checkpoint stands
+        print(f"interrupted: {_resume_hint(cfg, args.config)}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (TrainError, CheckpointError) as exc:  # the folder is in use; nothing to resume
         print(f"error: {exc}", file=sys.stderr)
         return 2
     _print_train_result(result)
     return 0
+
+
+def _resume_hint(cfg: Any, config: str) -> str:
+    """Where a stopped run resumes: its newest committed checkpoint's step, or step 0."""
+    from atgrpo import checkpoint as ckpt
+
+    latest = ckpt.latest_checkpoint(cfg.run_dir)
+    if latest is None:
+        return f"no checkpoint yet in {cfg.run_dir}: --resume starts again from step 0"
+    step = ckpt.checkpoint_step(latest)
+    return f"resume from step {step} ({latest}) with: atgrpo train {config} ... --resume"
 
 
 def _train_header(cfg: Any) -> str:
@@ -208,7 +222,8 @@ def _print_train_result(result: Any) -> None:
         _print_gain(result.eval_before, result.eval_after)
     if result.checkpoint is not None:
         console.print(f"checkpoint: {result.checkpoint}")
-    console.print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+    if (metrics := result.run_dir / "metrics.jsonl").is_file():  # train.steps=0 writes none
+        console.print(f"metrics: {metrics}")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -401,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_train(sub: _Commands) -> None:
     p = sub.add_parser("train", help="train a team of agents with AT-GRPO")
     p.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=5")
+    p.add_argument(
+        "overrides", nargs="*", default=[], help="dotted key=value overrides, e.g. train.steps=5"
+    )
     p.add_argument(
         "--resume", action="store_true", help="continue from the run's newest intact checkpoint"
     )
@@ -423,7 +440,7 @@ def _add_train(sub: _Commands) -> None:
 def _add_eval(sub: _Commands) -> None:
     p = sub.add_parser("eval", help="evaluate a config's model or a checkpoint on held-out tasks")
     p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", default=[])
     p.add_argument("--checkpoint", help="a checkpoint folder or a run folder (uses its latest)")
     p.add_argument("--split", default="test", choices=["validation", "test"])
     p.add_argument("--num-tasks", type=int, default=None)
@@ -470,7 +487,7 @@ def _add_config(sub: _Commands) -> None:
         "config", help="print a config with defaults and overrides applied, or describe every key"
     )
     p.add_argument("config", nargs="?", help="YAML config, e.g. configs/demo.yaml")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", default=[])
     p.add_argument(
         "--describe",
         nargs="?",

@@ -141,9 +141,12 @@ def report_from_record(record: dict[str, Any]) -> EvalReport:
     )
 
 
-def write_eval_json(report: EvalReport, path: Path, extra: dict[str, Any] | None = None) -> Path:
+def write_eval_json(
+    report: EvalReport, path: str | Path, extra: dict[str, Any] | None = None
+) -> Path:
     """Write ``report`` (and ``extra`` keys) to ``path`` whole or not at all (a temporary
     file, then a rename)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     record = eval_record(report) | (extra or {})

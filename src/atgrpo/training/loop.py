@@ -46,6 +46,7 @@ from atgrpo.training.metrics import (
 )
 from atgrpo.training.run_dir import (
     StopRequest,
+    TrainError,
     interruption,
     prepare_run_dir,
     run_lock,
@@ -260,8 +261,13 @@ def train(
     (:class:`TrainCallback`). Raises :class:`TrainError` when another
     process trains in the folder, :class:`Interrupted` after SIGTERM.
     """
+    resuming = resume or resume_from is not None
+    if resuming and not cfg.run_dir.is_dir():  # before the lock makes the folder
+        raise TrainError(
+            f"--resume: there is no run folder {cfg.run_dir}; check run.name and run.output_dir, "
+            "or drop --resume to start this run"
+        )
     with run_lock(cfg.run_dir), sigterm_stops() as stop:
-        resuming = resume or resume_from is not None
         start_ckpt = prepare_run_dir(cfg, resuming, resume_from, force)
         seed_everything(cfg.run.seed)
         # Before the models, so a missing logger package fails at once. A resumed run's
