@@ -138,3 +138,22 @@ def test_the_mas_tool_defers_and_passes() -> None:
     env = PlanPathEnv(PlanPathConfig(workflow=WorkflowKind.MAS, max_turns=2))
     assert env.workflow.defers_team == ("tool",)
     check_env(env, actions=('```python\nprint("U")\n```', '```python\nprint("R R")\n```', "x"))
+
+
+class HoldsALock(PlanPathEnv):
+    def __init__(self, config: PlanPathConfig) -> None:
+        super().__init__(config)
+        import threading
+
+        self.lock = threading.Lock()  # Ray env workers could not ship this env
+
+
+def test_check_env_catches_an_env_that_does_not_pickle() -> None:
+    with pytest.raises(EnvCheckError, match="does not pickle.*__getstate__"):
+        check_env(HoldsALock(single()), seeds=(0,))
+
+
+def test_check_envs_help_is_short() -> None:
+    import pydoc
+
+    assert len(pydoc.render_doc(check_env)) < 5_000  # the 1 MB test action is not a default

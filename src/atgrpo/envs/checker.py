@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ def check_env(
     env: MultiAgentEnv,
     seeds: Sequence[int] = (0, 1, 2),
     reset_options: Mapping[str, Any] | None = None,
-    actions: Sequence[str] = (*MALFORMED_ACTIONS, VALID_LOOKING_ACTION),
+    actions: Sequence[str] | None = None,
     drive_action: str = "garbage",
 ) -> None:
     """Check ``env`` against the :class:`MultiAgentEnv` contract; ``None`` when all pass.
@@ -43,10 +44,12 @@ def check_env(
     For each seed: reset is deterministic (same observations twice), observations are chat
     messages, and then an episode is played with ``drive_action`` (which should never solve the
     task) for at most ``max_turns * len(agents)`` steps. Before every step, each of ``actions``
-    is applied to its own clone: it must not raise and must return a :class:`StepOutcome` with
-    finite rewards and a JSON-serialisable info, and stepping a clone must leave the original
-    and a sibling clone unchanged. An agent in ``workflow.defers_team`` must give every
-    action the same team reward.
+    (default: :data:`MALFORMED_ACTIONS` and :data:`VALID_LOOKING_ACTION`) is applied to its own
+    clone: it must not raise and must return a :class:`StepOutcome` with finite rewards and a
+    JSON-serialisable info, and stepping a clone must leave the original and a sibling clone
+    unchanged. An agent in ``workflow.defers_team`` must give every action the same team
+    reward. Then the env must pickle, with the same observations after the round trip (Ray env
+    workers ship envs by pickle).
     """
     options = dict(reset_options) if reset_options is not None else None
     agents = tuple(env.possible_agents)
@@ -54,35 +57,66 @@ def check_env(
         len(agents) > 0 and all(isinstance(a, str) for a in agents),
         "possible_agents must be a non-empty sequence of str",
     )
-    max_steps = env.workflow.max_turns * len(env.workflow.agents)
+    tried = tuple(actions) if actions is not None else (*MALFORMED_ACTIONS, VALID_LOOKING_ACTION)
     for seed in seeds:
-        env.reset(seed=seed, options=options)
-        first = _snapshot(env)
-        env.reset(seed=seed, options=options)
+        _check_episode(env, seed, options, tried, drive_action)
+    _check_pickles(env, seeds[0] if seeds else 0, options)
+
+
+def _check_episode(
+    env: MultiAgentEnv,
+    seed: int,
+    options: dict[str, Any] | None,
+    actions: Sequence[str],
+    drive_action: str,
+) -> None:
+    agents = tuple(env.possible_agents)
+    max_steps = env.workflow.max_turns * len(env.workflow.agents)
+    env.reset(seed=seed, options=options)
+    first = _snapshot(env)
+    env.reset(seed=seed, options=options)
+    _require(
+        _snapshot(env) == first,
+        f"reset(seed={seed}) is not deterministic: two resets gave different observations",
+    )
+    for step_idx in range(max_steps):
+        _check_state(env, f"seed {seed}, step {step_idx}")
+        where = f"seed {seed}, step {step_idx}"
+        acting = env.agent_selection
+        teams = {_check_action_on_clone(env, action, where).team_reward for action in actions}
         _require(
-            _snapshot(env) == first,
-            f"reset(seed={seed}) is not deterministic: two resets gave different observations",
+            acting not in env.workflow.defers_team or len(teams) == 1,
+            f"{where}: workflow.defers_team lists {acting!r}, but its actions gave different "
+            f"team rewards {sorted(teams)}; an agent that defers never changes the team reward",
         )
-        for step_idx in range(max_steps):
-            _check_state(env, f"seed {seed}, step {step_idx}")
-            where = f"seed {seed}, step {step_idx}"
-            acting = env.agent_selection
-            teams = {_check_action_on_clone(env, action, where).team_reward for action in actions}
-            _require(
-                acting not in env.workflow.defers_team or len(teams) == 1,
-                f"{where}: workflow.defers_team lists {acting!r}, but its actions gave different "
-                f"team rewards {sorted(teams)}; an agent that defers never changes the team reward",
-            )
-            _check_step(env, drive_action, f"seed {seed}, step {step_idx}")
-            if env.done:
-                break
-        where = f"seed {seed}"
-        _require(env.done, f"{where}: episode not over after max_turns * len(agents) = {max_steps}")
-        _check_state(env, f"{where}, after the episode")
-        _require(
-            all(env.terminations[a] or env.truncations[a] for a in agents),
-            f"{where}: episode is over but some agent is neither terminated nor truncated",
-        )
+        _check_step(env, drive_action, f"seed {seed}, step {step_idx}")
+        if env.done:
+            break
+    where = f"seed {seed}"
+    _require(env.done, f"{where}: episode not over after max_turns * len(agents) = {max_steps}")
+    _check_state(env, f"{where}, after the episode")
+    _require(
+        all(env.terminations[a] or env.truncations[a] for a in agents),
+        f"{where}: episode is over but some agent is neither terminated nor truncated",
+    )
+
+
+def _check_pickles(env: MultiAgentEnv, seed: int, options: dict[str, Any] | None) -> None:
+    """The env survives pickling with the same observations (Ray env workers pickle it)."""
+    env.reset(seed=seed, options=options)
+    try:
+        copy_ = pickle.loads(pickle.dumps(env))
+    except Exception as exc:  # reported with the cause, not swallowed
+        raise EnvCheckError(
+            f"the env does not pickle ({type(exc).__name__}: {exc}); Ray env workers "
+            "(backend.num_env_workers) ship envs by pickle: keep locks, open files and models "
+            "out of its attributes, or drop them in __getstate__"
+        ) from exc
+    _require(
+        _snapshot(copy_) == _snapshot(env),
+        "the env's observations changed after a pickle round trip (__getstate__ / "
+        "__setstate__ lose state)",
+    )
 
 
 def _require(condition: bool, message: str) -> None:
