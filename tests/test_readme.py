@@ -74,6 +74,10 @@ def test_a_readme_command_runs(
     runs = tmp_path / "runs"
     if "--checkpoint" in command:  # a trained run to evaluate: train it for one step first
         _train_one_step(command.split()[2], re.findall(r"runs/([\w.-]+)", command), runs)
+    elif "--resume" in command:  # a run to continue (resuming none is an error): train it first
+        name = re.search(r"run\.name=([\w.-]+)", command)
+        assert name, command
+        _train_one_step(command.split()[2], [name.group(1)], runs)
     elif command.split()[1] == "report":
         _train_one_step("configs/tiny.yaml", re.findall(r"runs/([\w.-]+)", command), runs)
     assert main(_argv(command, runs)) == 0, command
