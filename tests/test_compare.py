@@ -296,3 +296,30 @@ def test_seeds_picks_some_of_the_files_seeds(
     assert listed == ["0", "2"]  # the file's order, seed 1 left out
     assert main(["compare", str(path), "--status", "--seeds", "3"]) == 2
     assert "[3] not among the file's seeds [0, 1, 2]" in capsys.readouterr().err
+
+
+def test_a_sigterm_to_the_runner_reaches_the_training_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler that signals the runner's pid alone still stops the run it trains."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from atgrpo.experiments.compare import planned_runs
+    from atgrpo.experiments.runs import RunFailedError, RunStatus, train_run
+
+    marker = tmp_path / "stopped"
+    fake = tmp_path / "python"  # stands in for `python -m atgrpo train`: waits for SIGTERM
+    fake.write_text(
+        f"#!/bin/sh\ntrap 'touch {marker}; exit 143' TERM\nwhile :; do sleep 0.1; done\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    comparison = load_comparison(_grid_file(tmp_path, seeds=[0]))
+    spec = planned_runs(comparison)[0]
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(RunFailedError, match="code 143"):
+        train_run(comparison, RunStatus(spec, "missing", 0), tmp_path / "run.log")
+    assert marker.is_file()

@@ -11,11 +11,14 @@ unfinished ones from their last checkpoint, and starts those never checkpointed 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,13 +74,34 @@ def train_run(comparison: Comparison, status: RunStatus, log: Path) -> float:
     with log.open("a", encoding="utf-8") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
+        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        with _forwarding_signals(child):
+            rc = child.wait()
     if rc != 0:
         raise RunFailedError(
             f"training {spec.method.label} | {spec.bench.name}, seed {spec.seed} exited with "
             f"code {rc}; see {log} (rerun --train to resume it)"
         )
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _forwarding_signals(child: subprocess.Popen[bytes]) -> Iterator[None]:
+    """SIGTERM / SIGINT sent to this process alone (a scheduler stopping the job's main pid)
+    reach the training run too, which stops at its next step boundary with a checkpoint."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def train_grid(
