@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -436,17 +436,10 @@ def _backward_unshared(
 ) -> None:
     """Micro-batches of whole sequences, each prompt left-padded and recomputed. The ranks of a
     sharded group run the group's largest number of micro-batches (module docstring)."""
-    device = next(policy.model.parameters()).device
-    pad_id = policy.tokenizer.pad_token_id
-    chunks = _micro_batches(computed, settings.micro_batch_size)
     in_step = group is not None and group.sharded
-    passes = group.max(len(chunks)) if group is not None and in_step else len(chunks)
-    for i in range(passes):
-        real = i < len(chunks)
-        chunk = chunks[i] if real else [_placeholder(policy)]
-        batch = collate(chunk, pad_id).to(device)
+    for chunk, batch, real in _unshared_passes(policy, computed, settings, group):
         logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
-        old = olds.get(chunk, device) if real else None
+        old = olds.get(chunk, batch.input_ids.device) if real else None
         rows = norm.rows(chunk) if real and _per_agent(settings) else None
         result = _loss(policy, logits, batch.responses, settings, norm, _given(batch), old, rows)
         if not real:
@@ -467,18 +460,28 @@ def _record_old_logprobs(
 ) -> None:
     """pi_old of ``samples``: one forward in micro-batches before any step. The ranks of a
     sharded group run the same number of forwards (FSDP2 gathers weights in each)."""
+    for chunk, batch, real in _unshared_passes(policy, samples, settings, group):
+        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
+        if real:
+            temperature = _temperature(batch.responses, settings)
+            olds.record(chunk, token_logprobs(logits, batch.responses.targets, temperature))
+
+
+def _unshared_passes(
+    policy: Policy, samples: list[Sample], settings: UpdateSettings, group: DataParallel | None
+) -> Iterator[tuple[list[Sample], Batch, bool]]:
+    """Micro-batches of whole sequences, collated on the model's device: (chunk, batch, real).
+    The ranks of a sharded group run the group's largest number of passes (FSDP2 gathers
+    weights in each); a rank out of samples runs placeholders (``real`` False)."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
     chunks = _micro_batches(samples, settings.micro_batch_size)
     sharded = group is not None and group.sharded
     passes = group.max(len(chunks)) if group is not None and sharded else len(chunks)
     for i in range(passes):
-        chunk = chunks[i] if i < len(chunks) else [_placeholder(policy)]
-        batch = collate(chunk, pad_id).to(device)
-        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
-        if i < len(chunks):
-            temperature = _temperature(batch.responses, settings)
-            olds.record(chunk, token_logprobs(logits, batch.responses.targets, temperature))
+        real = i < len(chunks)
+        chunk = chunks[i] if real else [_placeholder(policy)]
+        yield chunk, collate(chunk, pad_id).to(device), real
 
 
 def _placeholder(policy: Policy) -> Sample:
