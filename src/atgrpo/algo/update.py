@@ -301,7 +301,8 @@ def _update(
         later = [s for batch in batches[1:] for s in _computed(batch, settings)]
         _record_old_logprobs(policy, later, settings, olds, group)
     steps = [
-        _optimizer_step(policy, batch, settings, group, olds)
+        # One mini-batch is the whole batch: its counts (and their all-reduce) are known.
+        _optimizer_step(policy, batch, settings, group, olds, counts if len(batches) == 1 else None)
         for _ in range(settings.ppo_epochs)
         for batch in batches
     ]
@@ -349,9 +350,10 @@ def _optimizer_step(
     settings: UpdateSettings,
     group: DataParallel | None,
     olds: TrainerLogprobs,
+    counts: _Counts | None = None,
 ) -> UpdateStats:
     """One optimizer step on one mini-batch, normalised by the mini-batch's own counts."""
-    counts = _counts(samples, settings, group)
+    counts = counts or _counts(samples, settings, group)
     if not counts.signal:
         return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
     computed = _computed(samples, settings)
