@@ -22,7 +22,10 @@ HALF = MathProblem("t/half", "What is 1/2 as a fraction?", "\\frac{1}{2}", "t")
 SPLITS = MathSplits(
     train=(SEVEN, HALF, MathProblem("t/ten", "What is 5 * 2?", "10", "t")),
     validation=(MathProblem("v/one", "What is 0 + 1?", "1", "v"),),
-    test=(MathProblem("x/two", "What is 1 + 1?", "2", "x"), HALF),
+    test=(  # no problem of train: check_env fails on a task the splits share
+        MathProblem("x/two", "What is 1 + 1?", "2", "x"),
+        MathProblem("x/third", "What is 1/3 as a fraction?", "\\frac{1}{3}", "x"),
+    ),
 )
 MALFORMED = [
     "",
