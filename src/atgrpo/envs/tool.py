@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from atgrpo import sandbox
 from atgrpo.envs.base import FamilyConfig, Workflow
@@ -55,6 +55,16 @@ class ToolAgentConfig(FamilyConfig):
     sandbox_memory_mb: int = Field(
         default=512, ge=32, description="Address-space limit of the tool agent's program."
     )
+    sandbox_packages: list[str] = Field(
+        default_factory=lambda: list(sandbox.DEFAULT_PACKAGES),
+        description="Python packages the tool agent's program may import (with what they "
+        "require); nothing else of the training environment is visible to it.",
+    )
+
+    @field_validator("sandbox_packages")
+    @classmethod
+    def _known_packages(cls, value: list[str]) -> list[str]:
+        return checked_packages(value)
 
     @property
     def sandbox_limits(self) -> sandbox.SandboxLimits:
@@ -63,7 +73,17 @@ class ToolAgentConfig(FamilyConfig):
             wall_time_s=self.sandbox_wall_time_s,
             cpu_time_s=max(1, math.ceil(self.sandbox_wall_time_s)),
             memory_mb=self.sandbox_memory_mb,
+            packages=tuple(self.sandbox_packages),
         )
+
+
+def checked_packages(packages: list[str]) -> list[str]:
+    """``packages`` if a sandboxed program may import them all (a config validator's check)."""
+    try:
+        sandbox.program_packages(packages)
+    except sandbox.SandboxSetupError as exc:
+        raise ValueError(str(exc)) from None
+    return packages
 
 
 @dataclass(frozen=True)

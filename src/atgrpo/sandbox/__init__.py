@@ -263,6 +263,16 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str = "") 
             _remove_tree(root_dir)
 
 
+def program_packages(packages: Sequence[str]) -> list[str]:
+    """The distributions a program allowed ``packages`` can import: those and what they
+    require, by name. Raises ``SandboxSetupError`` naming a package that is not installed in
+    this environment or that may not be imported (benchmark answers, atgrpo)."""
+    try:
+        return sorted(d.metadata["Name"] for d in roots.closure(packages))
+    except roots.RootError as exc:
+        raise SandboxSetupError(str(exc)) from None
+
+
 def run_many(
     codes: Sequence[str],
     limits: SandboxLimits | None = None,

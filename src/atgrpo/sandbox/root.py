@@ -157,7 +157,7 @@ def package_entries(packages: Sequence[str]) -> list[str]:
     """The site-packages entries (package dirs, modules, dist-info) of ``packages`` and of the
     distributions they require, in this (the training) environment."""
     entries: set[str] = set()
-    for dist in _closure(packages):
+    for dist in closure(packages):
         for file in dist.files or ():
             top = file.parts[0]
             if top in ("..", "__pycache__") or top.endswith(".pth") or top.startswith("__editable"):
@@ -166,7 +166,7 @@ def package_entries(packages: Sequence[str]) -> list[str]:
     return sorted(e for e in entries if os.path.exists(e))
 
 
-def _closure(packages: Sequence[str]) -> list[importlib.metadata.Distribution]:
+def closure(packages: Sequence[str]) -> list[importlib.metadata.Distribution]:
     """The distributions of ``packages`` and everything they require (no extras)."""
     found: dict[str, importlib.metadata.Distribution] = {}
     queue = [(name, name) for name in packages]
