@@ -146,8 +146,14 @@ def test_cli_evaluates_a_per_role_run_with_the_policies_swapped(
     assert "(tool -> tool, planner -> planner)" in out
     assert "(tool -> planner, planner -> tool)" in out
     assert "avg@2, pass@1" in out and "pass@2" in out
-    # A config that does not match the checkpoint's policies is one clear line.
+    # A config that does not match the checkpoint's policies is one clear line: refused by
+    # the config comparison, and with --force by the checkpoint's loader.
     assert main(["eval", str(REPO / "configs" / "tiny.yaml"), "--checkpoint", run]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with another env, model or policies (policies." in err
+    assert err.count("\n") == 1
+    tiny = str(REPO / "configs" / "tiny.yaml")
+    assert main(["eval", tiny, "--checkpoint", run, "--force"]) == 2
     assert "has no policy 'shared' (it has: planner, tool)" in capsys.readouterr().err
 
 

@@ -11,7 +11,7 @@ from atgrpo import checkpoint as ckpt
 from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import Config, ConfigError
 from atgrpo.splits import Split
-from atgrpo.training.evaluation import EvalReport
+from atgrpo.training.evaluation import EvalReport, check_checkpoint_config
 from atgrpo.training.loop import train
 from atgrpo.training.runtime import build_runtime, seed_everything
 
@@ -39,6 +39,7 @@ def evaluate(
     *,
     split: Split | str = Split.TEST,
     num_tasks: int | None = None,
+    force: bool = False,
 ) -> EvalReport:
     """Evaluate ``cfg``'s policies on up to ``num_tasks`` (default ``eval.num_tasks``) distinct
     held-out tasks of ``split`` (``test`` or ``validation``) and return the report.
@@ -48,7 +49,9 @@ def evaluate(
     greedy with ``eval.samples_per_task: 1``, else avg@n and pass@k
     (:mod:`atgrpo.training.evaluation`). Everything is seeded with ``run.seed`` first, as ``atgrpo
     eval`` does; nothing is written (``atgrpo.training.evaluation.write_eval_json`` writes the
-    report).
+    report). A checkpoint trained with another env, model or policies than ``cfg``'s is refused
+    with a :class:`~atgrpo.config.ConfigError` unless ``force``
+    (:data:`~atgrpo.training.evaluation.FIXED_ON_EVAL`; ``routing`` may differ).
     """
     try:
         held_out = Split(split)
@@ -57,6 +60,8 @@ def evaluate(
     if held_out is Split.TRAIN:
         raise ConfigError("split 'train': evaluate on held-out tasks, 'test' or 'validation'")
     folder = None if checkpoint is None else load_checkpoint(checkpoint)
+    if folder is not None:
+        check_checkpoint_config(cfg, folder, force)
     seed_everything(cfg.run.seed)
     rt = build_runtime(cfg, folder)
     try:

@@ -1,17 +1,20 @@
 """The ``atgrpo`` command line: a thin layer over the library.
 
 atgrpo train CONFIG [key=value ...] [--resume | --resume-from STEP] [--force]
-atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B] [key=value ...]
+atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B] [--force]
+            [key=value ...]
 atgrpo compare FILE [--train | --status] [--output-dir DIR] [--num-tasks N]   the methods table
 atgrpo models prepare [--force]
 atgrpo config CONFIG [key=value ...]        print the resolved config
 atgrpo config --describe [SECTION]          every key: type, default, meaning (docs/config.md)
 atgrpo report RUN [RUN ...] [--out PATH]     one offline report.html: curves and rollouts
+atgrpo check-env CONFIG [key=value ...] [--seeds N]   the config's env against the env rules
 
 key=value overrides may stand anywhere on the line. An expected failure (a config mistake, a
 missing or damaged file, a full disk, a model folder without a tokenizer) is one line on stderr
-that names the problem and the fix; ``--verbose`` (anywhere on the line) shows the traceback
-instead, and third-party warnings and progress bars.
+that names the problem and the fix; so is an exception of the user's env or reward function,
+naming the env class, its method and the file:line that raised (exit 1). ``--verbose``
+(anywhere on the line) shows the traceback instead, and third-party warnings and progress bars.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from atgrpo import __version__
 from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import ConfigError, dump_config, load_config
 from atgrpo.data.base import DatasetError
+from atgrpo.envs.base import EnvError
 from atgrpo.experiments.intervals import report_gain, report_interval
 from atgrpo.experiments.runs import RunFailedError
 from atgrpo.models import ModelError, load_model, prepare_default_model, prepare_tiny_model
@@ -230,10 +234,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from atgrpo.api import load_checkpoint
     from atgrpo.envs import Split, make_env
     from atgrpo.policies import swapped_routing
-    from atgrpo.training.evaluation import eval_json_path, write_eval_json
+    from atgrpo.training.evaluation import (
+        check_checkpoint_config,
+        eval_json_path,
+        eval_json_target,
+        measured,
+        write_eval_json,
+    )
     from atgrpo.training.runtime import build_runtime, seed_everything
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = [*args.overrides]
+    if args.num_tasks is not None:  # in the config, so that eval-<split>.json records it
+        overrides.append(f"eval.num_tasks={args.num_tasks}")
+    cfg = load_config(args.config, overrides)
     suffix = ""  # a swapped-roles evaluation never overwrites the plain one
     if args.swap:
         pair = tuple(a.strip() for a in args.swap.split(","))
@@ -241,19 +254,44 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise ConfigError(f"--swap {args.swap!r}: give two agents, e.g. --swap tool,planner")
         agents = make_env(cfg.env).possible_agents
         swap = swapped_routing(cfg, agents, (pair[0], pair[1]))
-        cfg = load_config(args.config, [*args.overrides, *swap])
+        cfg = load_config(args.config, [*overrides, *swap])
         suffix = f"-swap-{pair[0]}-{pair[1]}"
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None  # verified
+    if checkpoint is not None:
+        check_checkpoint_config(cfg, checkpoint, args.force)
     seed_everything(cfg.run.seed)
     rt = build_runtime(cfg, checkpoint)
     try:
-        report = rt.evaluate(Split(args.split), args.num_tasks or cfg.eval.num_tasks)
+        report = rt.evaluate(Split(args.split), cfg.eval.num_tasks)
         routing = ", ".join(f"{a} -> {p}" for a, p in rt.policy_of.items())
     finally:
         rt.close()
     _print_eval(f"{checkpoint or cfg.model.path} ({routing})", report)
-    out = write_eval_json(report, eval_json_path(report.split, checkpoint, cfg.run_dir, suffix))
+    path = eval_json_path(report.split, checkpoint, cfg.run_dir, suffix)
+    out = write_eval_json(report, eval_json_target(path, cfg), measured(cfg, checkpoint))
+    if out != path:
+        console.print(f"{escape(path.name)} holds an evaluation of another config: kept")
     console.print(f"per-task results: {escape(str(out))}")
+    return 0
+
+
+def cmd_check_env(args: argparse.Namespace) -> int:
+    from atgrpo.envs import EnvCheckError, check_env, make_env
+    from atgrpo.envs.base import env_call
+
+    cfg = load_config(args.config, args.overrides)
+    env = make_env(cfg.env)
+    seeds = tuple(range(args.seeds))
+    try:
+        with env_call(env, "reset"):  # an exception of the env's own code names the env
+            check_env(env, seeds=seeds, factory=lambda: make_env(cfg.env))
+    except EnvCheckError as exc:
+        print(f"error: check_env: {_one_line(str(exc))}", file=sys.stderr)
+        return 1
+    console.print(
+        f"check_env: {escape(cfg.env.name)} ({type(env).__name__}) passed on seeds "
+        f"0-{args.seeds - 1}"
+    )
     return 0
 
 
@@ -392,6 +430,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 _Commands = argparse._SubParsersAction  # the subcommands of build_parser
+_OVERRIDES_HELP = "dotted key=value overrides, e.g. train.steps=5 (anywhere on the line)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,15 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(sub)
     _add_config(sub)
     _add_report(sub)
+    _add_check_env(sub)
     return parser
 
 
 def _add_train(sub: _Commands) -> None:
     p = sub.add_parser("train", help="train a team of agents with AT-GRPO")
     p.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
-    p.add_argument(
-        "overrides", nargs="*", default=[], help="dotted key=value overrides, e.g. train.steps=5"
-    )
+    p.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
     p.add_argument(
         "--resume", action="store_true", help="continue from the run's newest intact checkpoint"
     )
@@ -439,15 +477,36 @@ def _add_train(sub: _Commands) -> None:
 
 def _add_eval(sub: _Commands) -> None:
     p = sub.add_parser("eval", help="evaluate a config's model or a checkpoint on held-out tasks")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", default=[])
-    p.add_argument("--checkpoint", help="a checkpoint folder or a run folder (uses its latest)")
-    p.add_argument("--split", default="test", choices=["validation", "test"])
-    p.add_argument("--num-tasks", type=int, default=None)
+    p.add_argument("config", help="YAML config, e.g. configs/demo.yaml or <run>/config.yaml")
+    p.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
+    p.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="a checkpoint folder or a run folder (uses its latest); default: the config's "
+        "untrained models",
+    )
+    p.add_argument(
+        "--split",
+        default="test",
+        choices=["validation", "test"],
+        help="the held-out split to score (default: test)",
+    )
+    p.add_argument(
+        "--num-tasks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="distinct held-out tasks to score (default: eval.num_tasks)",
+    )
     p.add_argument(
         "--swap",
         metavar="A,B",
         help="exchange the policies of agents A and B (e.g. tool,planner: swapped-roles ablation)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="evaluate a checkpoint even when the config names another env, model or policies",
     )
     p.set_defaults(func=cmd_eval)
 
@@ -455,8 +514,12 @@ def _add_eval(sub: _Commands) -> None:
 def _add_compare(sub: _Commands) -> None:
     p = sub.add_parser("compare", help="evaluate methods x benchmarks; write table.md / table.csv")
     p.add_argument("file", help="a comparison YAML, e.g. configs/compare/tiny-table.yaml")
-    p.add_argument("--output-dir", help="where the tables go (default: the file's output_dir)")
-    p.add_argument("--num-tasks", type=int, default=None, help="held-out tasks per benchmark")
+    p.add_argument(
+        "--output-dir", metavar="DIR", help="where the tables go (default: the file's output_dir)"
+    )
+    p.add_argument(
+        "--num-tasks", type=int, default=None, metavar="N", help="held-out tasks per benchmark"
+    )
     p.add_argument(
         "--train",
         action="store_true",
@@ -487,7 +550,7 @@ def _add_config(sub: _Commands) -> None:
         "config", help="print a config with defaults and overrides applied, or describe every key"
     )
     p.add_argument("config", nargs="?", help="YAML config, e.g. configs/demo.yaml")
-    p.add_argument("overrides", nargs="*", default=[])
+    p.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
     p.add_argument(
         "--describe",
         nargs="?",
@@ -502,8 +565,22 @@ def _add_config(sub: _Commands) -> None:
 def _add_report(sub: _Commands) -> None:
     p = sub.add_parser("report", help="write one self-contained report.html of one or more runs")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. runs/demo-...")
-    p.add_argument("--out", help="where the page goes (default: <first run>/report.html)")
+    p.add_argument(
+        "--out", metavar="PATH", help="where the page goes (default: <first run>/report.html)"
+    )
     p.set_defaults(func=cmd_report)
+
+
+def _add_check_env(sub: _Commands) -> None:
+    p = sub.add_parser(
+        "check-env", help="check a config's env against the env rules (atgrpo.check_env)"
+    )
+    p.add_argument("config", help="YAML config naming the env, e.g. examples/guess.yaml")
+    p.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
+    p.add_argument(
+        "--seeds", type=int, default=3, metavar="N", help="check seeds 0..N-1 (default: 3)"
+    )
+    p.set_defaults(func=cmd_check_env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -555,10 +632,20 @@ def describe_failure(exc: BaseException) -> str:
         return _model_failure(path, exc)
     if isinstance(exc, OSError):
         return _os_failure(exc)
+    if (env_exc := _env_error(exc)) is not None:  # the user's env (or reward function) raised
+        return f"{_one_line(str(env_exc))}; run with --verbose for the traceback"
     return (
         f"unexpected {type(exc).__name__}: {_one_line(str(exc))} (rerun with --verbose for the "
         "traceback, and please report it)"
     )
+
+
+def _env_error(exc: BaseException) -> EnvError | None:
+    """The :class:`EnvError` ``exc`` is (or, from a Ray env worker, carries as ``cause``)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, EnvError):
+        return cause
+    return exc if isinstance(exc, EnvError) else None
 
 
 def _one_line(text: str) -> str:

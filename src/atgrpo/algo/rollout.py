@@ -43,7 +43,7 @@ from atgrpo.algo.advantage import mix_reward
 from atgrpo.algo.records import EpisodeResult, Rollout, Sample
 from atgrpo.algo.truncation import TruncationSettings
 from atgrpo.envs import MultiAgentEnv, StepOutcome
-from atgrpo.envs.base import Message
+from atgrpo.envs.base import Message, env_call
 from atgrpo.generation import Generation, Generator, SamplingParams
 
 # Chat messages -> prompt token ids (atgrpo.prompts.PromptEncoder is the one the runtime builds).
@@ -79,7 +79,23 @@ class ThreadStepper:
 
 
 def _step(env: MultiAgentEnv, action: str) -> StepOutcome:
-    return env.step(action)
+    with env_call(env, "step"):  # an exception of the env's own code names the env
+        return env.step(action)
+
+
+def _clone(env: MultiAgentEnv) -> MultiAgentEnv:
+    with env_call(env, "clone"):
+        return env.clone()
+
+
+def _observe(env: MultiAgentEnv, agent_id: str) -> list[Message]:
+    with env_call(env, "observe"):
+        return env.observe(agent_id)
+
+
+def _success(env: MultiAgentEnv) -> bool:
+    with env_call(env, "success"):
+        return env.success
 
 
 @dataclass
@@ -188,7 +204,7 @@ def collect_rollout(
         branches = k
     else:
         slots = [
-            _Slot(i, s, t, env.clone())
+            _Slot(i, s, t, _clone(env))
             for i, (env, s) in enumerate(zip(envs, seeds, strict=True))
             for t in range(k)
         ]
@@ -206,7 +222,7 @@ def collect_rollout(
             step = _AgentStep(agent_id, group, branches)
             samples.extend(_step_agent(step, actors, timed, kept, clock))
     episodes = [
-        EpisodeResult(s.task_id, s.seed, s.env.success, s.env.turn_idx, s.last_team_reward)
+        EpisodeResult(s.task_id, s.seed, _success(s.env), s.env.turn_idx, s.last_team_reward)
         for s in slots
     ]
     return Rollout(
@@ -245,7 +261,7 @@ def _step_agent(
     """One agent acts in every slot: ``branches`` samples per slot, each on its own env copy."""
     agent_id, slots, per_slot, settings = step.agent_id, step.slots, step.branches, actors.settings
     prompts, texts, generations = actors.sample(agent_id, [slot.env for slot in slots], per_slot)
-    copies = [slot.env.clone() for slot in slots for _ in range(per_slot)]
+    copies = [_clone(slot.env) for slot in slots for _ in range(per_slot)]
     branches, outcomes = _apply(stepper, copies, [g.text for g in generations])
     t0 = time.perf_counter()
     credit = _lookahead_team(actors, stepper, agent_id, branches) if settings.lookahead else {}
@@ -319,7 +335,7 @@ class _Actors:
             )
         policy_id = self.policy_of[agent_id]
         encoder = self.encode[policy_id] if isinstance(self.encode, Mapping) else self.encode
-        observations = [env.observe(agent_id) for env in envs]
+        observations = [_observe(env, agent_id) for env in envs]
         prompts = [encoder(messages) for messages in observations]
         batch = [p for p in prompts for _ in range(per_env)]  # (envs * K) prompts, K in a row
         generations = self.generators[policy_id].generate(batch, self.settings.params(agent_id))
@@ -355,7 +371,7 @@ def _lookahead_team(
     credit, they are not trained on, and the kept branch continues from its own state.
     """
     pending = {
-        j: env.clone()
+        j: _clone(env)
         for j, env in enumerate(branches)
         if agent_id in env.workflow.defers_team and not env.done
     }

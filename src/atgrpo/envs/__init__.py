@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from atgrpo.envs.base import Message, MultiAgentEnv, StepOutcome, TurnBasedEnv, Workflow
+from atgrpo.envs.base import (
+    EnvError,
+    Message,
+    MultiAgentEnv,
+    StepOutcome,
+    TurnBasedEnv,
+    Workflow,
+)
 from atgrpo.envs.checker import EnvCheckError, check_env
 from atgrpo.envs.code import CodeConfig, CodeEnv
 from atgrpo.envs.math import MathConfig, MathEnv
@@ -36,6 +43,7 @@ __all__ = [
     "Effect",
     "EnvCheckError",
     "EnvConfig",
+    "EnvError",
     "EnvFamily",
     "EnvSection",
     "EnvSpecError",

@@ -23,7 +23,12 @@ from __future__ import annotations
 
 import copy
 import random
+import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
 from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -328,3 +333,120 @@ class TurnBasedEnv(Generic[InstanceT]):
         if options:
             raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
         return split
+
+
+# -- the env boundary: whose fault an exception is --------------------------------------------
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # src/atgrpo
+_LIBRARIES = tuple(
+    {
+        str(Path(p).resolve())
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(k))
+    }
+)
+
+
+class EnvError(RuntimeError):
+    """An exception raised by an env's own code (or a function it calls, e.g. a reward
+    function) while atgrpo called it: ``env_class.method`` raised ``error`` at ``where``
+    (``file:line``, the innermost frame of the user's code). ``ours`` is True when that frame
+    is in atgrpo itself (a built-in env's bug). The original exception is ``__cause__``."""
+
+    def __init__(
+        self,
+        env_class: str,
+        method: str,
+        error: str,
+        where: str,
+        function: str = "",
+        ours: bool = False,
+    ) -> None:
+        self.env_class, self.method, self.error = env_class, method, error
+        self.where, self.function, self.ours = where, function, ours
+        inside = f" in {function}()" if function else ""
+        blame = ": an error in atgrpo itself, please report it" if ours else ""
+        super().__init__(f"env {env_class}.{method} raised {error}{inside} ({where}){blame}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Ray env workers send it back by pickle
+        args = (self.env_class, self.method, self.error, self.where, self.function, self.ours)
+        return (type(self), args)
+
+
+@contextmanager
+def env_call(env: object, method: str) -> Iterator[None]:
+    """Run a call of atgrpo into ``env`` (an env, or its class for ``__init__``): an exception
+    from it becomes an :class:`EnvError` naming the env class, its method and the file:line
+    that raised. atgrpo's own error types (a missing dataset, a sandbox that cannot start)
+    and an :class:`EnvError` already raised pass unchanged."""
+    try:
+        yield
+    except EnvError:
+        raise
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] == "atgrpo":
+            raise  # ours: its message already names the problem and the fix
+        raise env_error(env, method, exc) from exc
+
+
+_ENV_CALL_CODE = env_call.__wrapped__.__code__  # type: ignore[attr-defined]
+
+
+def env_error(env: object, method: str, exc: BaseException) -> EnvError:
+    """``exc``, raised while atgrpo called ``env``'s ``method``, as an :class:`EnvError`.
+
+    The method named is the innermost frame of the env's own methods (``_act`` rather than
+    the ``step`` of TurnBasedEnv that called it); the place, the innermost frame of the user's
+    code (outside atgrpo, the standard library and installed packages), else of the env's
+    methods, else the innermost frame.
+    """
+    cls = env if isinstance(env, type) else type(env)
+    frames = _walk(exc)
+    if frames and frames[0][0].f_code is _ENV_CALL_CODE:  # caught in env_call's generator
+        frames = frames[1:]
+    frames = frames[1:] or frames  # the first is the caller's frame, not the env's
+    own = [f for f, _ in frames if isinstance(f.f_locals.get("self"), cls)]
+    users = [(f, n) for f, n in frames if _is_user_file(f.f_code.co_filename)]
+    mine = [(f, n) for f, n in frames if f in own]
+    frame, line = (users or mine or frames)[-1]
+    if own:
+        method = own[-1].f_code.co_name
+    function = frame.f_code.co_name
+    text = " ".join(str(exc).split())
+    return EnvError(
+        cls.__name__,
+        method,
+        type(exc).__name__ + (f": {text[:300]}" if text else ""),
+        _show_path(frame.f_code.co_filename, line),
+        "" if function == method else function,
+        _is_ours(frame.f_code.co_filename),
+    )
+
+
+def _walk(exc: BaseException) -> list[tuple[FrameType, int]]:
+    out = []
+    tb = exc.__traceback__
+    while tb is not None:
+        out.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return out
+
+
+def _is_ours(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(_PACKAGE)
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<"):  # <string>, <frozen ...>
+        return False
+    resolved = str(Path(filename).resolve())
+    return not _is_ours(filename) and not resolved.startswith(_LIBRARIES)
+
+
+def _show_path(filename: str, line: int) -> str:
+    """``file:line``, relative to the working directory where it lies under it; atgrpo's own
+    files from the package's folder (``atgrpo/envs/math.py``)."""
+    path = Path(filename).resolve()
+    base = _PACKAGE.parent if _is_ours(filename) else Path.cwd()
+    shown = path.relative_to(base) if path.is_relative_to(base) else path
+    return f"{shown}:{line}"

@@ -41,7 +41,7 @@ from pydantic import (
     model_validator,
 )
 
-from atgrpo.envs.base import MultiAgentEnv
+from atgrpo.envs.base import MultiAgentEnv, env_call
 from atgrpo.envs.code import CodeEnv
 from atgrpo.envs.math import MathEnv
 from atgrpo.envs.plan_path import PlanPathEnv
@@ -69,11 +69,13 @@ class EnvFamily:
     config_class: type[BaseModel] | None
 
     def make(self, config: Any) -> MultiAgentEnv:
-        """A new (not yet reset) env: ``env_class(config)``, or ``env_class(**config)``."""
-        if self.config_class is None:
-            env: MultiAgentEnv = self.env_class(**config)
-        else:
-            env = self.env_class(config)
+        """A new (not yet reset) env: ``env_class(config)``, or ``env_class(**config)``; an
+        exception of the class's ``__init__`` is an :class:`~atgrpo.envs.base.EnvError`."""
+        with env_call(self.env_class, "__init__"):
+            if self.config_class is None:
+                env: MultiAgentEnv = self.env_class(**config)
+            else:
+                env = self.env_class(config)
         return env
 
     def validate(self, settings: Mapping[str, Any], key: str) -> Any:

@@ -18,6 +18,7 @@ from atgrpo.algo.records import Rollout, Sample
 from atgrpo.algo.rollout import collect_rollout
 from atgrpo.config import Config, Sampling
 from atgrpo.envs import Split, make_env, split_seeds
+from atgrpo.envs.base import env_call
 from atgrpo.splits import SEED_RANGES
 from atgrpo.training.evaluation import instance_key
 from atgrpo.training.runtime import Runtime
@@ -35,7 +36,8 @@ def collect_tasks(rt: Runtime, seeds: list[int]) -> tuple[Rollout, list[str | No
     envs = []
     for seed in seeds:
         env = make_env(cfg.env)
-        env.reset(seed=seed, options={"split": Split.TRAIN.value})
+        with env_call(env, "reset"):
+            env.reset(seed=seed, options={"split": Split.TRAIN.value})
         envs.append(env)
     keys = [instance_key(env) for env in envs]
     rollout = collect_rollout(

@@ -16,9 +16,11 @@ in :attr:`EvalReport.note`, never hidden.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +32,11 @@ import torch
 
 from atgrpo.algo.records import Rollout
 from atgrpo.algo.rollout import EncodeMessages, EnvStepper, collect_rollout
-from atgrpo.config import Config
+from atgrpo.config import Config, ConfigError
 from atgrpo.envs import MultiAgentEnv, Split, make_env, split_seeds
+from atgrpo.envs.base import env_call
 from atgrpo.generation import Generator
+from atgrpo.training.run_dir import changes_since, is_fixed, show_change
 from atgrpo.training.settings import eval_rollout_settings
 
 # Seeds drawn per requested task at most when the env cannot say how many instances its split
@@ -108,6 +112,66 @@ def eval_json_path(split: str, checkpoint: Path | None, run_dir: Path, suffix: s
     return (checkpoint or run_dir) / f"eval-{split}{suffix}.json"
 
 
+# Keys a checkpoint cannot be evaluated under once changed: its weights belong to other
+# models or policies, or were trained for another env or other agents (routing may change:
+# the swapped-roles evaluation). Refused without force, as --resume refuses FIXED_ON_RESUME.
+FIXED_ON_EVAL = ("model.path", "policies", "env.name", "env.workflow")
+
+
+def check_checkpoint_config(cfg: Config, checkpoint: Path, force: bool = False) -> None:
+    """Refuse (:class:`~atgrpo.config.ConfigError`) to evaluate ``checkpoint`` under a config
+    whose :data:`FIXED_ON_EVAL` keys differ from those it was trained with, unless ``force``;
+    the comparison is ``--resume``'s (:func:`atgrpo.training.run_dir.changes_since`)."""
+    changes = changes_since(cfg, checkpoint)
+    if changes is None:
+        warnings.warn(
+            f"checkpoint {checkpoint} has no saved config to compare this one with", stacklevel=2
+        )
+        return
+    fixed = [c for c in changes if is_fixed(c[0], FIXED_ON_EVAL)]
+    if fixed and not force:
+        run = checkpoint.parent.parent
+        raise ConfigError(
+            f"checkpoint {checkpoint} was trained with another env, model or policies "
+            f"({'; '.join(show_change(c) for c in fixed)}): evaluate it with its run's config "
+            f"({run / 'config.yaml'}), or pass --force to evaluate it anyway"
+        )
+
+
+def config_hash(cfg: Config) -> str:
+    """8 hex digits of the resolved config: which config an eval-<split>.json measured."""
+    text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def eval_json_target(path: Path, cfg: Config) -> Path:
+    """Where an evaluation of ``cfg`` goes: ``path`` when it is free or holds an evaluation of
+    the same config (replaced), else ``<stem>-<config hash>.json`` beside it, so an
+    evaluation of another config (or an older file that names none) is never overwritten."""
+    if not path.is_file() or _recorded_hash(path) == config_hash(cfg):
+        return path
+    return path.with_name(f"{path.stem}-{config_hash(cfg)}{path.suffix}")
+
+
+def _recorded_hash(path: Path) -> str | None:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record.get("config_hash") if isinstance(record, dict) else None
+
+
+def measured(cfg: Config, checkpoint: Path | None) -> dict[str, Any]:
+    """The keys an eval-<split>.json of ``cfg`` adds: what it measured (docs/outputs.md)."""
+    return {
+        "checkpoint": None if checkpoint is None else str(checkpoint),
+        "env": cfg.model_dump(mode="json")["env"],
+        "models": {p: cfg.policy_model(p) for p in cfg.policies},
+        "config_hash": config_hash(cfg),
+        "config": cfg.model_dump(mode="json"),
+    }
+
+
 def eval_record(report: EvalReport) -> dict[str, Any]:
     """The eval-<split>.json object of ``report`` (docs/outputs.md)."""
     return {
@@ -179,8 +243,9 @@ def held_out_tasks(cfg: Config, split: Split, num_tasks: int) -> HeldOutTasks:
     seeds: list[int] = []
     seen: set[object] = set()
     for seed in split_seeds(split, draws):
-        env.reset(seed=seed, options={"split": split.value})
-        key = getattr(env, "instance_key", ("seed", seed))
+        with env_call(env, "reset"):
+            env.reset(seed=seed, options={"split": split.value})
+            key = getattr(env, "instance_key", ("seed", seed))
         if key in seen:
             continue  # the same instance again: reuse this env for the next seed
         seen.add(key)

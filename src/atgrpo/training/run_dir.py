@@ -172,30 +172,39 @@ def _record_through(line: bytes, last_step: int) -> bool:
 def _check_config(cfg: Config, checkpoint: Path, force: bool) -> None:
     """List every config key that differs from the checkpoint's, one warning each; refuse a
     change of :data:`FIXED_ON_RESUME` keys unless ``force``."""
-    saved = _saved_config(cfg, checkpoint)
-    if saved is None:
+    changes = changes_since(cfg, checkpoint)
+    if changes is None:
         _warn(f"resume from {checkpoint.name}: no saved config to compare this one with")
         return
-    changes = config_changes(_with_defaults(saved), cfg.model_dump(mode="json"))
-    fixed = [c for c in changes if _is_fixed(c[0])]
+    fixed = [c for c in changes if is_fixed(c[0])]
     if fixed and not force:
-        listed = "; ".join(_show_change(c) for c in fixed)
+        listed = "; ".join(show_change(c) for c in fixed)
         raise TrainError(
             f"resume from {checkpoint.name}: the config changed where a resumed run cannot "
             f"follow it ({listed}); pass --force to resume anyway, or choose another run.name"
         )
     for change in changes:
         forced = " (--force)" if change in fixed else ""
-        _warn(f"resume from {checkpoint.name}: config {_show_change(change)}{forced}")
+        _warn(f"resume from {checkpoint.name}: config {show_change(change)}{forced}")
 
 
-def _saved_config(cfg: Config, checkpoint: Path) -> dict[str, Any] | None:
-    """The config the checkpoint was written under; for an older checkpoint without one, the
+def changes_since(cfg: Config, checkpoint: Path) -> list[tuple[str, Any, Any]] | None:
+    """(dotted key, the checkpoint's value, ``cfg``'s value) for every key of ``cfg`` that
+    differs from the config ``checkpoint`` was written under; None when none was saved. The
+    one comparison of a config with a checkpoint's, for ``--resume`` and ``atgrpo eval``."""
+    saved = _saved_config(checkpoint)
+    if saved is None:
+        return None
+    return config_changes(_with_defaults(saved), cfg.model_dump(mode="json"))
+
+
+def _saved_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The config the checkpoint was written under; for an older checkpoint without one, its
     run folder's config.yaml (that of the run's last start)."""
     state = ckpt.load_trainer_state(checkpoint)
     if isinstance(state.get("config"), dict):
         return dict(state["config"])
-    path = cfg.run_dir / "config.yaml"
+    path = checkpoint.parent.parent / "config.yaml"  # <run>/checkpoints/step-N
     loaded = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
     return loaded if isinstance(loaded, dict) else None
 
@@ -235,11 +244,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _is_fixed(key: str) -> bool:
-    return any(key == k or key.startswith(k + ".") for k in FIXED_ON_RESUME)
+def is_fixed(key: str, fixed: tuple[str, ...] = FIXED_ON_RESUME) -> bool:
+    """``key`` is one of ``fixed`` or lies under one (``policies.tool.model``)."""
+    return any(key == k or key.startswith(k + ".") for k in fixed)
 
 
-def _show_change(change: tuple[str, Any, Any]) -> str:
+def show_change(change: tuple[str, Any, Any]) -> str:
     key, old, new = change
 
     def show(value: Any) -> str:
