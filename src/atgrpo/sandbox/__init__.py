@@ -168,9 +168,10 @@ class SandboxLimits:
     """CPU-time limit per process (RLIMIT_CPU)."""
     memory_mb: int = 512
     """Address-space limit per process (RLIMIT_AS): allocations beyond it raise MemoryError."""
-    group_memory_mb: int = 1024
+    group_memory_mb: int = 2048
     """Memory of all the program's processes together, its tmpfs files included (a control
-    group; the kernel kills a process of the group when it is exceeded)."""
+    group; the kernel kills a process of the group when it is exceeded). Resident memory, so
+    it may sit below ``memory_mb`` (address space) times the processes."""
     file_size_mb: int = 8
     """Largest file a program may write (RLIMIT_FSIZE); also bounds its stdout and stderr."""
     max_processes: int = 32
