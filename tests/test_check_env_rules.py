@@ -7,6 +7,7 @@ import itertools
 import tempfile
 import uuid
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -124,7 +125,6 @@ def test_an_env_that_does_not_pickle_fails_naming_the_rule() -> None:
 
 
 def test_every_rule_is_in_the_docs() -> None:
-    from pathlib import Path
 
     page = (Path(__file__).parents[1] / "docs" / "custom-env.md").read_text(encoding="utf-8")
     for rule in RULES:
@@ -157,3 +157,20 @@ def test_an_empty_split_is_skipped_with_a_warning() -> None:
 def test_a_split_that_cannot_reset_fails_naming_it() -> None:
     message = fails(DISJOINT_SPLITS, NoTest(single()))
     assert "'split': 'test'}) raised KeyError" in message and "num_instances" in message
+
+
+def test_atgrpo_check_env_checks_a_configs_env(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from atgrpo.cli import main
+    from conftest import REPO
+
+    tiny = str(REPO / "configs" / "tiny.yaml")
+    assert main(["check-env", tiny, "--seeds", "1"]) == 0
+    assert capsys.readouterr().out == "check_env: plan_path (PlanPathEnv) passed on seeds 0-0\n"
+    config = tmp_path / "broken.yaml"  # an env of this module, named by its import path
+    config.write_text("env: {name: 'test_check_env_rules:IgnoresTheSplit'}\n")
+    assert main(["check-env", str(config), "env.kwargs.workflow=single"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: check_env: {DISJOINT_SPLITS}: seed 0 of train and seed 0 of ")
+    assert err.count("\n") == 1
