@@ -125,7 +125,6 @@ def test_an_env_that_does_not_pickle_fails_naming_the_rule() -> None:
 
 
 def test_every_rule_is_in_the_docs() -> None:
-
     page = (Path(__file__).parents[1] / "docs" / "custom-env.md").read_text(encoding="utf-8")
     for rule in RULES:
         assert rule in page, rule
