@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
+import pytest
 import torch
 
+from atgrpo import attention
 from atgrpo.attention import ATTENTION, fp32_sdpa_on_cpu
 from atgrpo.models import TINY_MODEL, load_model, retain_freed_memory
 
@@ -20,9 +24,22 @@ def _qkv(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def test_under_autocast_attention_runs_in_float32() -> None:
+@pytest.fixture
+def choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Set ``$ATGRPO_CPU_ATTENTION`` for one test (the choice is cached per process)."""
+
+    def set_choice(value: str) -> None:
+        monkeypatch.setenv(attention.CHOICE_ENV_VAR, value)
+        attention.float32_attention.cache_clear()
+
+    yield set_choice
+    attention.float32_attention.cache_clear()
+
+
+def test_under_autocast_attention_runs_in_float32(choice: Callable[[str], None]) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    choice("float32")
     q, k, v = _qkv(torch.float32)
     mask = torch.ones(2, 1, 5, 9, dtype=torch.bool).tril(4)
     exact, _ = sdpa_attention_forward(_Module(), q, k, v, mask)  # float32, no autocast
@@ -60,3 +77,24 @@ def test_models_load_with_atgrpo_attention_unless_asked() -> None:
 def test_retain_freed_memory_on_glibc() -> None:
     assert retain_freed_memory() is True  # the project's machines run glibc
     assert retain_freed_memory() is True  # idempotent
+
+
+def test_where_bf16_is_chosen_attention_is_transformers_own(choice: Callable[[str], None]) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    choice("bf16")
+    q, k, v = _qkv(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = fp32_sdpa_on_cpu(_Module(), q, k, v.bfloat16(), None)
+        stock, _ = sdpa_attention_forward(_Module(), q, k, v.bfloat16(), None)
+    assert torch.equal(ours, stock)
+
+
+def test_auto_times_both_kernels_and_keeps_the_faster(choice: Callable[[str], None]) -> None:
+    choice("auto")
+    timings = attention.probe()
+    assert set(timings) == {"float32_ms", "bf16_ms"} and min(timings.values()) > 0
+    assert attention.float32_attention() == (timings["float32_ms"] < timings["bf16_ms"])
+    choice("fp16")
+    with pytest.raises(ValueError, match="ATGRPO_CPU_ATTENTION='fp16'"):
+        attention.float32_attention()

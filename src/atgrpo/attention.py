@@ -1,4 +1,4 @@
-"""Attention in float32 on CPU under bf16 autocast.
+"""Attention in float32 on CPU under bf16 autocast, where this CPU's float32 kernel is faster.
 
 Under bf16 autocast PyTorch's CPU ``scaled_dot_product_attention`` runs its bf16 kernel, which
 is several times slower than its float32 one at the shapes a rollout and an update have here
@@ -14,15 +14,63 @@ CPU when autocast is on or any of them is bf16 / fp16, its output cast back to t
 dtype. Everything else (GPUs, fp32 runs) is plain SDPA. The projections and MLPs stay in bf16,
 so bf16 autocast keeps its speed; attention itself is computed more precisely, the same way in
 generation and in the update.
+
+Which of the two kernels is faster depends on the CPU: on an AMD EPYC without bf16 matrix units
+float32 wins by 7x (the figures above); on an Intel Xeon with AMX-bf16 the bf16 kernel is the
+faster one at the decode shape (0.25 against 0.41 ms). So the choice is not fixed: at the first
+attention call under autocast, :func:`float32_attention` times both kernels at SmolLM2's decode
+shape on this machine (about 0.1 s, once per process) and keeps the faster, unless
+``ATGRPO_CPU_ATTENTION`` says ``float32`` or ``bf16``. Generation and update use the same choice,
+so the recorded log-probs are those of the distribution sampled from.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import statistics
+import time
 from typing import Any
 
 import torch
 
 ATTENTION = "atgrpo_sdpa"  # the name models are loaded with (models.load_model)
+CHOICE_ENV_VAR = "ATGRPO_CPU_ATTENTION"  # "auto" (default: probe), "float32" or "bf16"
+# The probe's shape: a decode step of 32 rows over ~196 cached tokens, 9 heads of 64 (SmolLM2).
+_PROBE_SHAPE = (32, 9, 196, 64)
+_PROBE_REPEATS = 15
+
+
+@functools.cache
+def float32_attention() -> bool:
+    """Whether attention on CPU under bf16 autocast runs in float32 in this process (see the
+    module docstring): ``$ATGRPO_CPU_ATTENTION``, else the faster kernel by :func:`probe`."""
+    choice = os.environ.get(CHOICE_ENV_VAR, "auto").strip().lower()
+    if choice in ("float32", "bf16"):
+        return choice == "float32"
+    if choice != "auto":
+        raise ValueError(f"{CHOICE_ENV_VAR}={choice!r}: expected auto, float32 or bf16")
+    timings = probe()
+    return timings["float32_ms"] < timings["bf16_ms"]
+
+
+@functools.cache
+def probe() -> dict[str, float]:
+    """Median milliseconds of one CPU attention call at the decode shape, per kernel."""
+    batch, heads, keys, dim = _PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, 1, dim, generator=g)
+    key, value = (torch.randn(batch, heads, keys, dim, generator=g) for _ in range(2))
+    times: dict[str, list[float]] = {"float32_ms": [], "bf16_ms": []}
+    inputs = {"float32_ms": (query, key, value)}
+    inputs["bf16_ms"] = (query.bfloat16(), key.bfloat16(), value.bfloat16())
+    with torch.no_grad():
+        for _ in range(_PROBE_REPEATS + 1):  # in turns, so both see the same machine load
+            for name, (q, k, v) in inputs.items():
+                start = time.perf_counter()
+                torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}  # the first warms up
 
 
 def fp32_sdpa_on_cpu(
@@ -33,7 +81,8 @@ def fp32_sdpa_on_cpu(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
-    """transformers' SDPA attention, in float32 on CPU under autocast or with half inputs.
+    """transformers' SDPA attention, in float32 on CPU under autocast or with half inputs when
+    :func:`float32_attention` says so.
 
     (Under autocast the rotary embedding leaves the query and key in float32 and the value in
     bf16; autocast would then run SDPA's bf16 kernel on all three.)
@@ -42,6 +91,8 @@ def fp32_sdpa_on_cpu(
 
     half = any(t.dtype in (torch.bfloat16, torch.float16) for t in (query, key, value))
     if query.device.type != "cpu" or not (half or torch.is_autocast_enabled("cpu")):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if not float32_attention():  # this CPU's bf16 kernel is the faster one
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()  # an additive mask must match the query's dtype
