@@ -292,6 +292,15 @@ def cmd_check_env(args: argparse.Namespace) -> int:
         f"check_env: {escape(cfg.env.name)} ({type(env).__name__}) passed on seeds "
         f"0-{args.seeds - 1}"
     )
+    packages = getattr(cfg.env, "sandbox_packages", None)
+    if packages is not None:
+        from atgrpo.sandbox import program_packages
+
+        console.print(
+            "sandboxed programs may import: "
+            f"{escape(', '.join(program_packages(packages)))} (env.sandbox_packages and what "
+            "they require; nothing else of this environment)"
+        )
     return 0
 
 
