@@ -305,3 +305,22 @@ def test_the_shortfall_note_is_printed_by_the_cli_and_kept_in_the_table(
     assert f"AIME24: {note}" in md
     _print_eval("full", EvalReport("test", 30, 0.5, 0.0, requested_tasks=30))
     assert "eval:" not in capsys.readouterr().out
+
+
+def test_cli_eval_ablates_an_agent_into_its_own_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from atgrpo.cli import main
+
+    tiny = str(REPO / "configs" / "tiny.yaml")
+    args = [tiny, f"run.output_dir={tmp_path}", "run.name=base", *FAST, "--num-tasks", "2"]
+    assert main(["eval", *args]) == 0
+    assert main(["eval", *args, "--ablate", "tool"]) == 0
+    assert sorted(p.name for p in (tmp_path / "base").glob("eval-*.json")) == [
+        "eval-test-ablate-tool.json",
+        "eval-test.json",
+    ]
+    capsys.readouterr()
+    assert main(["eval", *args, "--ablate", "coder"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'eval.ablate': the env has no agent 'coder'" in err

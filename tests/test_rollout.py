@@ -307,3 +307,64 @@ def test_lookahead_probes_do_not_change_the_kept_state() -> None:
         by_group.setdefault((s.task_id, s.turn_idx), set()).add(tuple(s.prompt_ids))
     assert all(len(prompts) == 1 for prompts in by_group.values())
     assert all(len([s for s in planner if (s.task_id, s.turn_idx) == k]) == 4 for k in by_group)
+
+
+# -- eval.ablate: the team without one agent -----------------------------------------------------
+
+
+def test_an_ablated_agents_answer_never_reaches_the_others_and_the_episode_runs() -> None:
+    """The tool's program prints a marker; ablated, the env gets "" from the tool, so no planner
+    prompt shows the marker, while the tool still generates and every episode ends."""
+    marker_program = '```python\nprint("R R R")\n```'
+    runs = {}
+    for ablated in (frozenset(), frozenset({"tool"})):
+        gen = ScriptedGenerator({"tool": [marker_program], "planner": PLANS})
+        settings = RolloutSettings(
+            num_generations=1,
+            tree=True,
+            temperature=None,
+            max_new_tokens={"tool": 64, "planner": 64},
+            alpha=0.7,
+            **ROLLOUT_DEFAULTS,
+            ablated=ablated,
+        )
+        envs = _envs(3)
+        with ThreadPoolExecutor(2) as pool:
+            rollout = collect_rollout(
+                envs,
+                [0, 1, 2],
+                generators={"shared": gen},
+                policy_of={"tool": "shared", "planner": "shared"},
+                encode=encode,
+                settings=settings,
+                pool=pool,
+            )
+        planner_prompts = [
+            bytes(t for t in p if t < 256).decode()
+            for r, ps in gen.calls
+            if r == "planner"
+            for p in ps
+        ]
+        runs[ablated] = (rollout, gen, planner_prompts)
+    plain, _, shown = runs[frozenset()]
+    ablated_run, gen, hidden = runs[frozenset({"tool"})]
+    assert any("R R R" in p for p in shown)  # without ablation the planner sees the output
+    assert hidden and not any("R R R" in p or "print(" in p for p in hidden)
+    assert [r for r, _ in gen.calls].count("tool") == [
+        r for r, _ in runs[frozenset()][1].calls
+    ].count("tool")
+    assert len(ablated_run.episodes) == len(plain.episodes) == 3
+    tool_samples = [s for s in ablated_run.samples if s.agent_id == "tool"]
+    assert tool_samples and all(s.response_text == marker_program for s in tool_samples)
+
+
+def test_ablating_an_agent_the_env_does_not_have_is_a_config_error() -> None:
+    from atgrpo.config import ConfigError, load_config
+    from atgrpo.training.settings import eval_rollout_settings
+    from conftest import REPO
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["eval.ablate=[coder]"])
+    with pytest.raises(ConfigError, match=r"'eval\.ablate': the env has no agent 'coder'"):
+        eval_rollout_settings(cfg, ("tool", "planner"))
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["eval.ablate=[tool]"])
+    assert eval_rollout_settings(cfg, ("tool", "planner")).ablated == {"tool"}

@@ -246,8 +246,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = [*args.overrides]
     if args.num_tasks is not None:  # in the config, so that eval-<split>.json records it
         overrides.append(f"eval.num_tasks={args.num_tasks}")
+    if args.ablate:
+        overrides.append(f"eval.ablate=[{','.join(args.ablate)}]")
     cfg = load_config(args.config, overrides)
-    suffix = ""  # a swapped-roles evaluation never overwrites the plain one
+    # a swapped-roles or ablated evaluation never overwrites the plain one
+    suffix = "".join(f"-ablate-{a}" for a in cfg.eval.ablate)
     if args.swap:
         pair = tuple(a.strip() for a in args.swap.split(","))
         if len(pair) != 2:
@@ -255,7 +258,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         agents = make_env(cfg.env).possible_agents
         swap = swapped_routing(cfg, agents, (pair[0], pair[1]))
         cfg = load_config(args.config, [*overrides, *swap])
-        suffix = f"-swap-{pair[0]}-{pair[1]}"
+        suffix += f"-swap-{pair[0]}-{pair[1]}"
     checkpoint = load_checkpoint(args.checkpoint) if args.checkpoint else None  # verified
     if checkpoint is not None:
         check_checkpoint_config(cfg, checkpoint, args.force)
@@ -511,6 +514,13 @@ def _add_eval(sub: _Commands) -> None:
         "--swap",
         metavar="A,B",
         help="exchange the policies of agents A and B (e.g. tool,planner: swapped-roles ablation)",
+    )
+    p.add_argument(
+        "--ablate",
+        action="append",
+        metavar="AGENT",
+        help="give the env an empty answer for AGENT at every turn, so the others act without it "
+        "(how much the team relies on it); repeat for several; writes eval-<split>-ablate-AGENT",
     )
     p.add_argument(
         "--force",

@@ -615,6 +615,12 @@ class EvalConfig(_Section):
         default_factory=lambda: [1],
         description="k values of pass@k reported when n > 1 (each <= n); pass@n is always shown.",
     )
+    ablate: list[str] = Field(
+        default_factory=list,
+        description="Agents whose every answer is replaced by an empty one before the env sees "
+        "it, so the others act without them: the drop in success measures how much the team "
+        "relies on each (atgrpo eval --ablate AGENT). Evaluation only.",
+    )
 
 
 class CheckpointConfig(_Section):
@@ -902,6 +908,12 @@ class Config(_Section):
                 raise ConfigError(
                     f"invalid value for 'rollout.agents.{agent}': the env has no agent "
                     f"{agent!r} (agents: {', '.join(agents)})"
+                )
+        for agent in self.eval.ablate:
+            if agent not in agents:
+                raise ConfigError(
+                    f"invalid value for 'eval.ablate': the env has no agent {agent!r} "
+                    f"(agents: {', '.join(agents)})"
                 )
 
     @property

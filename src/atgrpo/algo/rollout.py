@@ -143,6 +143,9 @@ class RolloutSettings:
     lookahead: bool
     truncation: TruncationSettings = field(default_factory=TruncationSettings)  # the default
     per_agent: Mapping[str, AgentSampling] = field(default_factory=dict)  # overrides
+    # Agents whose answers the env receives as "" (they still generate): how much the others
+    # rely on them, in evaluation (eval.ablate).
+    ablated: frozenset[str] = frozenset()
 
     def params(self, agent_id: str) -> SamplingParams:
         """How ``agent_id`` samples: its own settings where it has them, else the rollout's."""
@@ -262,7 +265,8 @@ def _step_agent(
     agent_id, slots, per_slot, settings = step.agent_id, step.slots, step.branches, actors.settings
     prompts, texts, generations = actors.sample(agent_id, [slot.env for slot in slots], per_slot)
     copies = [_clone(slot.env) for slot in slots for _ in range(per_slot)]
-    branches, outcomes = _apply(stepper, copies, [g.text for g in generations])
+    ablated = agent_id in settings.ablated
+    branches, outcomes = _apply(stepper, copies, ["" if ablated else g.text for g in generations])
     t0 = time.perf_counter()
     credit = _lookahead_team(actors, stepper, agent_id, branches) if settings.lookahead else {}
     clock["lookahead_s"] += time.perf_counter() - t0

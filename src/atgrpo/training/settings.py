@@ -71,6 +71,7 @@ def eval_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettin
         local_weight=cfg.algo.local_weight,
         lookahead=False,  # nothing is trained on held-out rewards
         per_agent=per_agent if sampled else {},
+        ablated=frozenset(cfg.eval.ablate),
     )
 
 
