@@ -164,6 +164,10 @@ def test_every_cell_is_evaluated_on_the_same_split() -> None:
             "methods: [{label: x, config: c.yaml, checkpoint: {a: runs/x}}]",
             "methods.0.checkpoint has no entry for benchmark(s) ['b']",
         ),
+        (
+            "methods:\n  - label: a\n    overrides: [eval.ablate=[tool]]\n",
+            "is not valid YAML (line 3): expected ',' or ']', but got '['; a value holding",
+        ),
     ],
 )
 def test_comparison_file_errors_are_one_line(tmp_path: Path, text: str, message: str) -> None:

@@ -142,7 +142,16 @@ def load_comparison(path: str | Path) -> Comparison:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"comparison file {str(p)!r} not found")
-    raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(
+            f"comparison file {str(p)!r} is not valid YAML{line}: "
+            f"{getattr(exc, 'problem', None) or exc}; a value holding [ ] or , inside a "
+            "[...] list needs a block list ('- ...' lines) or quotes"
+        ) from None
     try:
         return Comparison.model_validate(raw)
     except ValidationError as err:
