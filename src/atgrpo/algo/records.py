@@ -8,6 +8,7 @@ field except ``advantage``; :func:`atgrpo.algo.advantage.assign_advantages` fill
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Sample:
     # DAPO's overlong penalty already inside ``reward`` (rollout.truncation: overlong_penalty);
     # a trajectory return adds it up like the local rewards.
     overlong_penalty: float = 0.0
+    # The env's diagnostics of this action (StepOutcome.info: a tool agent's program_status,
+    # stdout and parse_error, ...), for samples.jsonl; nothing reads it in training.
+    info: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):

@@ -303,6 +303,7 @@ def _step_agent(
                     truncated=not gen.finished,
                     temperature=params.temperature,
                     overlong_penalty=penalty,
+                    info=out.info,
                 )
             )
         own = samples[len(samples) - per_slot :]
