@@ -16,8 +16,8 @@ Variants (each in its own subprocess, one after another, so peak RSS is per vari
   prompt + response sequence in micro-batches (``logits_to_keep`` = the response) with the
   token-mean policy-gradient loss -sum(A * log p) / #response tokens, no old log-probs (one
   on-policy step: the PPO ratio is 1, so this is the same gradient); global grad-norm clip 1;
-  AdamW (fused, as atgrpo's). The same bf16 autocast over fp32 weights, transformers' stock
-  SDPA attention and glibc's default allocator.
+  AdamW (fused, weight decay 0, as atgrpo's). The same bf16 autocast over fp32 weights,
+  transformers' stock SDPA attention and glibc's default allocator.
 * ``plain-tuned`` (workload a only): ``plain`` with the two process settings atgrpo applies on
   CPU: attention in float32 under bf16 autocast (``atgrpo.attention``: PyTorch's bf16 CPU
   attention kernel is several times slower) and glibc keeping freed memory
@@ -36,11 +36,24 @@ Workloads:
   ``configs/plan_path-demo.yaml`` (no evaluation, a temporary output folder), timings from
   ``perf/step_s``, ``perf/rollout_s`` and ``perf/update_s`` of its history.
 
-Per variant: mean seconds per step of generation (workload b: the whole rollout, with env
-steps), update and total over steps 2..N (step 1 is warm-up), tokens/s as verl counts it (the
-prompt + response tokens of the step's samples / step time) and the child process's peak RSS.
-Ratios are speed-ups, reference time / variant time (> 1: the variant is faster). Numbers vary
-with the machine and its load; compare the rows of one run, not runs.
+Per variant: the median seconds per step of generation (workload b: the whole rollout, with
+env steps), update and total over the settled steps 2..N (step 1 is warm-up; the plain loop
+settles later, so give --steps 5 or more), tokens/s as verl counts it (the prompt + response
+tokens of the step's samples / step time) and the child process's peak RSS. Ratios are
+speed-ups, reference time / variant time (> 1: the variant is faster). Every variant uses the
+same AdamW settings (weight decay 0, atgrpo's default).
+
+The roofline (workload a): the parent measures this machine's limits in the same run, a bf16
+matmul (GFLOP/s, 2048 and 4096 square) and a large tensor copy (GB/s, read + write), and each
+variant is shown against them: generation's bound is its prefill's FLOPs at the matmul rate
+plus, per new token, the larger of reading the weights once in bf16 at the copy bandwidth and
+the decode step's FLOPs (2 x parameters x rows) at the matmul rate; the update's achieved
+GFLOP/s is 6 x parameters x the tokens it runs forward and backward (a shared prompt once per
+group) / its seconds. "gen x bound" is generation time / its bound (1 = at the machine's
+limit); "upd % mm" the update's rate as a share of the matmul rate. ``--profile`` adds
+torch.profiler's top operators of one atgrpo-share step, per phase.
+
+Numbers vary with the machine and its load; compare the rows of one run, not runs.
 """
 
 from __future__ import annotations
@@ -123,7 +136,7 @@ def build_prompts(tokenizer: Any) -> list[list[int]]:
         ids: list[int] = []
         for n in range(1, len(words) + 1):
             messages = [{"role": "user", "content": " ".join(words[:n]) + "\n\n" + question}]
-            ids = encode(messages)  # type: ignore[arg-type]
+            ids = encode(messages)
             if len(ids) >= PROMPT_TOKENS:
                 break
         prompts.append(ids)
@@ -236,6 +249,7 @@ class AtgrpoStep:
         assign_advantages(samples, self.adv_settings, require_identical_prompts=True)
         stats = ppo_update(self.policy, samples, self.update_settings)
         t2 = time.perf_counter()
+        share = self.cfg.train.share_prefix
         return {
             "gen_s": t1 - t0,
             "update_s": t2 - t1,
@@ -243,7 +257,21 @@ class AtgrpoStep:
             "tokens": float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)),
             "computed": float(stats.computed_samples),
             "skipped": float(stats.skipped),
+            "prefill_tokens": float(
+                sum(len(p) for p in (self.prompts if self.cfg.rollout.share_prefill else batch))
+            ),
+            "update_tokens": float(update_tokens(samples, share)),
         }
+
+
+def update_tokens(samples: list[Any], shared_prompts: bool) -> int:
+    """Tokens an update runs forward and backward: every computed sample's response, and its
+    prompt (once per distinct prompt when prompts are shared)."""
+    used = [s for s in samples if s.advantage != 0.0]
+    responses = sum(len(s.response_ids) for s in used)
+    if shared_prompts:
+        return responses + sum(len(p) for p in {tuple(s.prompt_ids) for s in used})
+    return responses + sum(len(s.prompt_ids) for s in used)
 
 
 class PlainStep:
@@ -260,7 +288,10 @@ class PlainStep:
         self.model, self.tokenizer = load_model(model, attention=None if tuned else "sdpa")
         if tuned:
             retain_freed_memory()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
+        # atgrpo's AdamW settings (weight decay 0; torch's default would be 0.01)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=LR, weight_decay=0.0, fused=True
+        )
         self.prompts = build_prompts(self.tokenizer)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -334,6 +365,8 @@ class PlainStep:
             "tokens": float(prompt_mask.sum() + resp_mask.sum()),
             "computed": float(seqs.shape[0]),
             "skipped": 0.0,
+            "prefill_tokens": float(prompt_mask.sum()),
+            "update_tokens": float(prompt_mask.sum() + resp_mask.sum()),
         }
 
 
@@ -355,7 +388,8 @@ def run_workload_a(variant: str, model: str, steps: int, seed: int) -> dict[str,
             file=sys.stderr,
             flush=True,
         )
-    return {"history": history}
+    net = runner.model if isinstance(runner, PlainStep) else runner.policy.model
+    return {"history": history, "params": sum(p.numel() for p in net.parameters())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,25 +474,92 @@ def machine() -> str:
     )
 
 
-def mean(rows: list[dict[str, float]], key: str) -> float:
-    return statistics.fmean(r[key] for r in rows)
+def median(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r.get(key, 0.0) for r in rows)
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
     rows = result["history"]
-    measured = rows[1:] or rows  # step 1 is warm-up (kept only when it is the only step)
-    step_s = mean(measured, "step_s")
+    settled = rows[1:] or rows  # step 1 is warm-up (kept only when it is the only step)
     return {
-        "gen_s": mean(measured, "gen_s"),
-        "update_s": mean(measured, "update_s"),
-        "step_s": step_s,
-        "tokens": mean(measured, "tokens"),
-        "tokens_per_s": statistics.fmean(r["tokens"] / r["step_s"] for r in measured),
-        "computed": mean(measured, "computed"),
+        "gen_s": median(settled, "gen_s"),
+        "update_s": median(settled, "update_s"),
+        "step_s": median(settled, "step_s"),
+        "tokens": median(settled, "tokens"),
+        "tokens_per_s": statistics.median(r["tokens"] / r["step_s"] for r in settled),
+        "computed": median(settled, "computed"),
+        "prefill_tokens": median(settled, "prefill_tokens"),
+        "update_tokens": median(settled, "update_tokens"),
+        "params": result.get("params", 0),
         "rss": result["peak_rss_mib"],
         "per_step": [r["step_s"] for r in rows],
         "load": result["load"],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The roofline: this machine's limits, measured in the same run
+
+
+def machine_limits(threads: int) -> dict[str, float]:
+    """bf16 matmul GFLOP/s (2048 and 4096 square; the better) and copy GB/s (read + write)."""
+    torch.set_num_threads(threads)
+    rates = []
+    for n in (2048, 4096):
+        a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+        a @ b  # warm-up
+        seconds = _best_of(lambda a=a, b=b: a @ b, 3)
+        rates.append(2 * n**3 / seconds / 1e9)
+    src = torch.empty(64 << 20, dtype=torch.float32).fill_(1.0)  # 256 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s = _best_of(lambda: dst.copy_(src), 5)
+    return {"matmul_gflops": max(rates), "copy_gbs": 2 * src.nbytes / copy_s / 1e9}
+
+
+def _best_of(fn: Any, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def roofline(s: dict[str, Any], limits: dict[str, float]) -> dict[str, float]:
+    """Generation's bound (seconds) and the update's achieved GFLOP/s (module docstring)."""
+    params, matmul = s["params"], limits["matmul_gflops"] * 1e9
+    rows = NUM_PROMPTS * K
+    weights_s = 2 * params / (limits["copy_gbs"] * 1e9)  # read once per decode step, bf16
+    decode_s = max(weights_s, 2 * params * rows / matmul)
+    gen_bound = 2 * params * s["prefill_tokens"] / matmul + MAX_NEW_TOKENS * decode_s
+    update_gflops = 6 * params * s["update_tokens"] / s["update_s"] / 1e9
+    return {
+        "decode_ms": 1e3 * decode_s,
+        "gen_bound_s": gen_bound,
+        "gen_x_bound": s["gen_s"] / gen_bound,
+        "update_gflops": update_gflops,
+        "update_share": update_gflops / limits["matmul_gflops"],
+    }
+
+
+def print_roofline(summaries: dict[str, dict[str, Any]], limits: dict[str, float]) -> None:
+    print(
+        f"\nroofline: bf16 matmul {limits['matmul_gflops']:.0f} GFLOP/s, copy "
+        f"{limits['copy_gbs']:.1f} GB/s (measured in this run)"
+    )
+    print(
+        f"{'variant':<16}{'gen s':>8}{'bound s':>9}{'gen x bound':>13}{'upd GFLOP/s':>13}"
+        f"{'upd % mm':>10}"
+    )
+    for name, s in summaries.items():
+        if not s["params"]:
+            continue
+        r = roofline(s, limits)
+        print(
+            f"{name:<16}{s['gen_s']:>8.2f}{r['gen_bound_s']:>9.2f}{r['gen_x_bound']:>13.1f}"
+            f"{r['update_gflops']:>13.0f}{100 * r['update_share']:>9.0f}%"
+        )
 
 
 def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
@@ -510,9 +611,10 @@ def parent(args: argparse.Namespace) -> None:
     print(machine())
     print(
         f"settings: --model {args.model} --steps {args.steps} "
-        f"--threads {args.threads} --seed {args.seed}; means over steps 2..{args.steps}"
+        f"--threads {args.threads} --seed {args.seed}; medians over steps 2..{args.steps}"
     )
     workloads = ["a", "b"] if args.workload == "all" else [args.workload]
+    limits = machine_limits(args.threads)
     notes: dict[str, bool] = {}
     failed = False
     tables: dict[str, dict[str, dict[str, Any]]] = {}
@@ -559,6 +661,8 @@ def parent(args: argparse.Namespace) -> None:
         print(f"\n{WORKLOAD_TITLES[w]}")
         if tables[w]:
             print_table(w, tables[w])
+            if w == "a":
+                print_roofline(tables[w], limits)
     print(
         "\ngen s: generation (b: the whole rollout with env steps); update s: advantages + "
         "update; tokens: prompt + response tokens of the step's samples; tokens/s = tokens / "
@@ -574,7 +678,7 @@ def parent(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=["a", "b", "all"], default="all")
-    ap.add_argument("--steps", type=int, default=3, help="steps per variant; step 1 is warm-up")
+    ap.add_argument("--steps", type=int, default=5, help="steps per variant; step 1 is warm-up")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
