@@ -93,14 +93,21 @@ def _capture(url: str, size: tuple[int, int]) -> bytes:
         return png.read_bytes()
 
 
+_VOID = {"area", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
+
+
 class _Dom(HTMLParser):
-    """The attributes of <body> and of the viewer's tree; the classes of every element."""
+    """The attributes of <body> and of the viewer's tree; the classes of every element; the
+    text inside elements of each class (``texts``) and id (``by_id``), from the rendered DOM."""
 
     def __init__(self) -> None:
         super().__init__()
         self.body: dict[str, str | None] = {}
         self.tree: dict[str, str | None] = {}
         self.classes: list[str] = []
+        self.texts: dict[str, list[str]] = {}
+        self.by_id: dict[str, dict[str, str | None]] = {}
+        self._open: list[tuple[str, str]] = []  # (tag, class) of the elements the text is in
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = dict(attrs)
@@ -108,7 +115,25 @@ class _Dom(HTMLParser):
             self.body = a
         if a.get("id") == "tree":
             self.tree = a
+        if a.get("id"):
+            self.by_id[a["id"] or ""] = a
         self.classes.append(a.get("class") or "")
+        if tag not in _VOID:
+            self._open.append((tag, a.get("class") or (f"#{a['id']}" if a.get("id") else "")))
+
+    def handle_endtag(self, tag: str) -> None:
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i][0] == tag:
+                del self._open[i:]
+                break
+
+    def handle_data(self, data: str) -> None:
+        for _, cls in self._open:
+            if cls:
+                self.texts.setdefault(cls, []).append(data)
+
+    def text(self, cls: str) -> str:
+        return "".join(self.texts.get(cls, []))
 
 
 def _parse(html: str) -> _Dom:
@@ -120,6 +145,7 @@ def _parse(html: str) -> _Dom:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from test_report import _write_run
+    from test_report_fields import write_fields_run
 
     runs = tmp_path_factory.mktemp("runs")
     cfg = load_config(
@@ -128,7 +154,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tiny = train(cfg).run_dir
     new = _write_run(runs, "new", schema=1)
     old = _write_run(runs, "old", schema=0)
-    return write_report([tiny, new, old], tmp_path_factory.mktemp("page") / "report.html")
+    fields = write_fields_run(runs, "fields")  # tool output, cut answers, a tie, eval files
+    return write_report([tiny, new, old, fields], tmp_path_factory.mktemp("page") / "report.html")
 
 
 def _ready(html: str) -> _Dom:
@@ -156,6 +183,40 @@ def test_a_fragment_selects_another_step_and_task(report: Path) -> None:
     assert "prompt" in dom.classes  # the newer schema logs prompts: collapsible blocks
     dom = _ready(dump_dom(report, "#run=old&step=2&task=0"))
     assert dom.tree["data-run"] == "old" and dom.classes.count("card kept") == 4
+
+
+def test_tool_cards_show_the_program_output_cut_answers_and_the_tie_break(report: Path) -> None:
+    from test_report_fields import STDOUT
+
+    dom = _ready(dump_dom(report, "#run=fields&step=1&task=0"))
+    assert dom.tree["data-run"] == "fields" and dom.tree["data-missing"] == ""
+    assert STDOUT in dom.text("output")  # what the kept tool program printed
+    assert "ZeroDivision" in dom.text("output error")  # the failed one's error
+    assert "invalid: program failed (error)" in dom.text("why")
+    assert "invalid: no \\boxed{} answer" in dom.text("why")  # why the reasoner's was invalid
+    assert dom.text("tag cut") == "cut"  # one tool answer cut at max_new_tokens
+    assert dom.text("tag tie") == "tie-break"  # the tool's kept branch won a tie
+    assert "1 of 3 cut at max_new_tokens" in dom.text("meta")
+
+
+def test_the_summary_fills_before_after_from_the_eval_files(report: Path) -> None:
+    dom = _ready(dump_dom(report))
+    summary = dom.text("summary")
+    assert "25.0% \u2192 62.5% (atgrpo eval: untrained, step 2)" in summary
+    assert "tool 42% \u00b7 reasoner 0%" in summary  # answers cut at max_new_tokens, per agent
+
+
+def test_an_unknown_step_or_task_in_the_address_says_so(report: Path) -> None:
+    dom = _ready(dump_dom(report))
+    assert dom.by_id["hash-note"].get("hidden") is not None  # nothing to say
+    dom = _ready(dump_dom(report, "#run=fields&step=99&task=5"))
+    assert dom.tree["data-missing"] == "step 99, task 5"
+    assert dom.by_id["hash-note"].get("hidden") is None
+    note = dom.text("hash-note")
+    assert "step 99 and task 5" in note and "showing fields, step 1, task 0" in note
+    dom = _ready(dump_dom(report, "#run=nosuch&step=1"))
+    assert dom.tree["data-missing"] == 'run "nosuch"'
+    assert "does not hold" in dom.text("hash-note")
 
 
 def test_an_error_in_the_page_would_be_seen(report: Path, tmp_path: Path) -> None:

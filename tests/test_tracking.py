@@ -100,6 +100,8 @@ def _check_types(record: dict[str, Any]) -> None:
         "response": str,
         "prompt_tokens": int,
         "response_tokens": int,
+        "truncated": bool,
+        "info": dict,
     }
     assert set(record) == set(types)
     for key, kind in types.items():

@@ -91,6 +91,19 @@ pre {
 }
 pre.response { max-height: 13em; overflow: auto; }
 .tokens { color: var(--muted); font-size: 11px; margin-top: 3px; }
+.tag.cut { background: #fff1d6; color: #8a5300; }
+.tag.tie { background: #e6eefb; color: var(--accent); }
+.why { color: var(--bad); font-size: 12px; margin: 4px 0 2px; }
+.program { margin-top: 5px; font-size: 12px; }
+.program .k { color: var(--muted); margin-right: 4px; }
+pre.output { max-height: 9em; overflow: auto; margin-top: 2px; }
+pre.output.error { background: #fbeeed; }
+details.info { font-size: 12px; margin-top: 4px; }
+details.info > summary { cursor: pointer; color: var(--accent); }
+.hash-note {
+  background: #fff4e5; border: 1px solid #f0c36d; border-radius: 6px; padding: 6px 12px;
+  margin-top: 8px; font-size: 13px;
+}
 .empty { color: var(--muted); padding: 16px; }
 """
 
@@ -144,9 +157,14 @@ VIEWER_JS = r"""
     sel.disabled = items.length === 0;
   }
   function pick(sel, want) {
+    // Selects ``want`` when the list has it, else the first; false when ``want`` was missing.
     var values = Array.prototype.map.call(sel.options, function (o) { return o.value; });
-    if (want !== undefined && values.indexOf(String(want)) >= 0) { sel.value = String(want); }
-    else if (values.length) { sel.value = values[0]; }
+    if (want !== undefined && values.indexOf(String(want)) >= 0) {
+      sel.value = String(want);
+      return true;
+    }
+    if (values.length) { sel.value = values[0]; }
+    return want === undefined;
   }
 
   function run() { return payload.runs[Number(runSel.value)] || null; }
@@ -166,14 +184,14 @@ VIEWER_JS = r"""
   function fillSteps(want) {
     var r = run();
     setOptions(stepSel, r ? r.steps.map(function (s) { return [s.step, "step " + s.step]; }) : []);
-    pick(stepSel, want);
+    return pick(stepSel, want);
   }
   function fillTasks(want) {
     var s = step();
     setOptions(taskSel, s ? s.tasks.map(function (t) {
       return [t.task_id, "task " + t.task_id + (t.seed === null ? "" : " (seed " + t.seed + ")")];
     }) : []);
-    pick(taskSel, want);
+    return pick(taskSel, want);
   }
 
   function groupText(g) {
@@ -205,15 +223,58 @@ VIEWER_JS = r"""
     return row;
   }
 
+  function tieText(node) {
+    return "branches " + node.tie.map(function (i) { return "#" + i; }).join(", ") +
+      " share the best reward; the rollout keeps the first of equals";
+  }
+
+  function infoBlocks(c, info) {
+    // What the env said about the action: why it was invalid, the tool program's output.
+    if (!info) { return; }
+    if (info.parse_error) { c.appendChild(el("div", "why", "invalid: " + info.parse_error)); }
+    if ("program_status" in info) {
+      var prog = el("div", "program");
+      prog.appendChild(el("span", "k", "program"));
+      prog.appendChild(el("b", null, info.program_status));
+      var out = info.stdout === undefined || info.stdout === null ? null : String(info.stdout);
+      prog.appendChild(el("pre", "output", out === "" ? "(printed nothing)"
+        : out === null ? "(output not logged)" : out));
+      ["error", "stderr"].forEach(function (k) {
+        if (info[k]) { prog.appendChild(el("pre", "output error", info[k])); }
+      });
+      c.appendChild(prog);
+    }
+    var shown = ["parse_error", "program_status", "stdout", "error", "stderr"];
+    var rest = Object.keys(info).filter(function (k) { return shown.indexOf(k) < 0; });
+    if (rest.length) {
+      var d = el("details", "info");
+      d.appendChild(el("summary", null, "env info"));
+      d.appendChild(el("pre", null, rest.map(function (k) {
+        return k + ": " + (info[k] === null ? "null" : String(info[k]));
+      }).join("\n")));
+      c.appendChild(d);
+    }
+  }
+
   function card(node, b) {
     var c = el("article", "card" + (b.kept ? " kept" : ""));
     c.dataset.branch = String(b.branch_idx);
     var head = el("div", "card-head");
     head.appendChild(el("b", null, "#" + b.branch_idx));
     if (b.kept) { head.appendChild(el("span", "tag kept", "kept")); }
+    if (b.kept && node.tie) {
+      var tie = el("span", "tag tie", "tie-break");
+      tie.title = tieText(node);
+      head.appendChild(tie);
+    }
     if (b.valid !== null) {
       var word = b.valid ? "valid" : "invalid";
       head.appendChild(el("span", "tag " + word, word));
+    }
+    if (b.truncated) {
+      var cut = el("span", "tag cut", "cut");
+      cut.title = "cut at max_new_tokens: no end-of-sequence token";
+      head.appendChild(cut);
     }
     if (b.parent) {
       var from = "\u2190 " + b.parent[0] + " t" + b.parent[1] + " #" + b.parent[2];
@@ -227,8 +288,10 @@ VIEWER_JS = r"""
     }
     c.appendChild(el("pre", "response", b.response === "" ? "(empty response)" : b.response));
     if (b.response_tokens !== null) {
-      c.appendChild(el("div", "tokens", b.response_tokens + " response tokens"));
+      var tokens = b.response_tokens + " response tokens";
+      c.appendChild(el("div", "tokens", tokens + (b.truncated ? ", cut at max_new_tokens" : "")));
     }
+    infoBlocks(c, b.info);
     cards[keyOf(node.agent_id, node.turn_idx, b.branch_idx)] = c;
     if (b.parent) { links.push([c, keyOf(b.parent[0], b.parent[1], b.parent[2]), b.kept]); }
     return c;
@@ -247,6 +310,10 @@ VIEWER_JS = r"""
     if (node.policy_id) { meta.push("policy " + node.policy_id); }
     if (node.reward_mean !== null) { meta.push("group mean reward " + num(node.reward_mean)); }
     if (node.group) { meta.push(groupText(node.group)); }
+    if (node.truncated) {
+      meta.push(node.truncated + " of " + node.branches.length + " cut at max_new_tokens");
+    }
+    if (node.tie) { meta.push("kept by tie-break: " + tieText(node)); }
     head.appendChild(el("span", "meta", meta.join(" \u00b7 ")));
     sec.appendChild(head);
     if (node.prompt !== null) {
@@ -335,10 +402,24 @@ VIEWER_JS = r"""
   }
 
   function show(runIdx, stepNo, taskNo) {
-    pick(runSel, runIdx);
-    fillSteps(stepNo);
-    fillTasks(taskNo);
+    // What it was asked for and the page lacks, e.g. ["step 7"]; the first is shown instead.
+    var missing = [];
+    if (!pick(runSel, runIdx)) { missing.push('run "' + runIdx + '"'); }
+    if (!fillSteps(stepNo)) { missing.push("step " + stepNo); }
+    if (!fillTasks(taskNo)) { missing.push("task " + taskNo); }
     render();
+    return missing;
+  }
+
+  function hashNote(missing) {
+    var note = document.getElementById("hash-note");
+    tree.dataset.missing = missing.join(", ");
+    note.hidden = missing.length === 0;
+    if (!missing.length) { note.textContent = ""; return; }
+    var s = step(), t = task();
+    var now = [run() ? run().name : "", s ? "step " + s.step : "", t ? "task " + t.task_id : ""];
+    note.textContent = "The address asks for " + missing.join(" and ") + ", which this " +
+      "report does not hold; showing " + now.filter(Boolean).join(", ") + " instead.";
   }
 
   function fromHash() {
@@ -348,21 +429,23 @@ VIEWER_JS = r"""
       if (i > 0) { params[kv.slice(0, i)] = decodeURIComponent(kv.slice(i + 1)); }
     });
     if (!("run" in params || "step" in params || "task" in params)) { return false; }
-    show(runIndex(params.run), params.step, params.task);
+    hashNote(show(runIndex(params.run), params.step, params.task));
     return true;
   }
 
   setOptions(runSel, payload.runs.map(function (r, i) { return [i, r.name]; }));
   runSel.addEventListener("change", function () {
     show(runSel.value, stepSel.value, taskSel.value);
+    hashNote([]);
     writeHash();
   });
   stepSel.addEventListener("change", function () {
     fillTasks(taskSel.value);
     render();
+    hashNote([]);
     writeHash();
   });
-  taskSel.addEventListener("change", function () { render(); writeHash(); });
+  taskSel.addEventListener("change", function () { render(); hashNote([]); writeHash(); });
   window.addEventListener("resize", drawLinks);
   tree.addEventListener("toggle", drawLinks, true);  // a prompt opened: cards moved
   window.addEventListener("hashchange", fromHash);

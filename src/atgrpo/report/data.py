@@ -62,6 +62,9 @@ class SampleRecord:
     # so ``parent_logged`` tells "no parent" from "not logged" (then the tree is derived).
     parent: Parent | None = None
     parent_logged: bool = False
+    truncated: bool | None = None  # cut at max_new_tokens; None: not logged (older lines)
+    # The env's word on the action (a tool's program_status, stdout, parse_error), as logged.
+    info: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -281,7 +284,20 @@ def _sample(row: dict[str, Any]) -> SampleRecord | None:
         response_tokens=_int(row.get("response_tokens")),
         parent=_parent(row.get("parent")),
         parent_logged="parent" in row,
+        truncated=_bool(row.get("truncated")),
+        info=_info(row.get("info")),
     )
+
+
+def _info(value: Any) -> dict[str, Any] | None:
+    """The logged env info: text, numbers, booleans and null by key; anything else as text."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[str, Any] = {}
+    for key, v in value.items():
+        plain = v is None or isinstance(v, str | bool) or _num(v) is not None
+        out[str(key)] = v if plain else json.dumps(v)
+    return out
 
 
 def _read_evals(run_dir: Path) -> list[EvalFile]:

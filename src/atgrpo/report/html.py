@@ -85,6 +85,7 @@ def _summary(runs: list[Run]) -> str:
         "alpha",
         "test success before \u2192 after",
         "train success (last 10 steps)",
+        "cut at max_new_tokens",
         "wall time",
     ]
     rows = [_summary_row(i, run) for i, run in enumerate(runs)]
@@ -116,18 +117,49 @@ def _summary_row(i: int, run: Run) -> str:
         escape(str(run.cfg("algo.alpha", DASH))),
         escape(_before_after(run)),
         escape(_recent_mean(run, "rollout/success")),
+        escape(cut_rates(run)),
         escape(_duration(sum(run.series("perf/step_s")[1]))),
     ]
     return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
 
 def _before_after(run: Run) -> str:
+    """Test success before and after training: the run's own test/ records (eval.before_training,
+    eval.after_training), else what ``atgrpo eval`` wrote: ``eval-test.json`` of the run folder
+    (the untrained model) and of the newest checkpoint that has one."""
     steps, values = run.series("test/success")
-    if not steps:
+    before = f"{values[0]:.1%}" if steps and steps[0] == 0 else None
+    after = f"{values[-1]:.1%}" if steps and steps[-1] > 0 else None
+    tests = [e for e in run.evals if e.split == "test" and "success_rate" in e.values]
+    evaluated = []
+    if before is None and (untrained := [e for e in tests if e.step is None]):
+        before = f"{untrained[0].values['success_rate']:.1%}"
+        evaluated.append("untrained")
+    if after is None and (trained := [e for e in tests if e.step is not None]):
+        newest = max(trained, key=lambda e: e.step or 0)
+        after = f"{newest.values['success_rate']:.1%}"
+        evaluated.append(f"step {newest.step}")
+    if before is None and after is None:
         return DASH
-    before = f"{values[0]:.1%}" if steps[0] == 0 else DASH
-    after = f"{values[-1]:.1%}" if steps[-1] > 0 else DASH
-    return f"{before} \u2192 {after}"
+    text = f"{before or DASH} \u2192 {after or DASH}"
+    return text + (f" (atgrpo eval: {', '.join(evaluated)})" if evaluated else "")
+
+
+def cut_rates(run: Run) -> str:
+    """Per agent, the share of responses cut at max_new_tokens over the run: the mean of
+    rollout/<agent>/truncated_frac, else of the logged samples' ``truncated``."""
+    parts = []
+    for agent in run.agents:
+        values = run.series(f"rollout/{agent}/truncated_frac")[1]
+        if not values:
+            values = [
+                float(s.truncated)
+                for s in run.samples
+                if s.agent_id == agent and s.truncated is not None
+            ]
+        if values:
+            parts.append(f"{agent} {sum(values) / len(values):.0%}")
+    return " \u00b7 ".join(parts) or DASH
 
 
 def _recent_mean(run: Run, key: str, n: int = 10) -> str:
@@ -233,6 +265,7 @@ def _viewer(payload: dict[str, Any]) -> str:
         '<label>step <select id="sel-step"></select></label>'
         '<label>task <select id="sel-task"></select></label>'
         '<span class="info" id="task-info"></span></div>'
+        '<div class="hash-note" id="hash-note" hidden></div>'
         f'<div class="viewer-note">One row per action (turn, then agent in the workflow\'s '
         f"order) with its K branches; the kept branch is outlined in green and the kept path "
         f"drawn through the parent links. At most {limit} steps per run are embedded. "

@@ -117,6 +117,7 @@ def _node_payload(node: Node, parents: dict[BranchKey, Parent | None]) -> dict[s
     # Tree branches share their prompt (one state): keep it once per node.
     shared = next(iter(prompts)) if len(prompts) == 1 else None
     rewards = [s.reward for s in node.branches if s.reward is not None]
+    cut = [s.truncated for s in node.branches if s.truncated is not None]
     return {
         "agent_id": node.agent_id,
         "turn_idx": node.turn_idx,
@@ -124,11 +125,23 @@ def _node_payload(node: Node, parents: dict[BranchKey, Parent | None]) -> dict[s
         "group": next((list(s.group) for s in node.branches if s.group is not None), None),
         "prompt": _clip(shared),
         "reward_mean": _round(sum(rewards) / len(rewards)) if rewards else None,
+        "truncated": sum(cut) if cut else None,  # branches cut at max_new_tokens (None: unlogged)
+        "tie": tie_break(node),
         "branches": [
             _branch_payload(s, parents[(s.agent_id, s.turn_idx, s.branch_idx)], len(prompts) > 1)
             for s in node.branches
         ],
     }
+
+
+def tie_break(node: Node) -> list[int] | None:
+    """The branches sharing the kept branch's reward when there are several (the rollout keeps
+    the first of equals), else None; also None unless exactly one branch was kept (tree)."""
+    kept = [s for s in node.branches if s.kept]
+    if len(kept) != 1 or kept[0].reward is None:
+        return None
+    equal = [s.branch_idx for s in node.branches if s.reward == kept[0].reward]
+    return equal if len(equal) > 1 else None
 
 
 def _branch_payload(s: SampleRecord, parent: Parent | None, own_prompt: bool) -> dict[str, Any]:
@@ -144,6 +157,8 @@ def _branch_payload(s: SampleRecord, parent: Parent | None, own_prompt: bool) ->
         "prompt_tokens": s.prompt_tokens,
         "response_tokens": s.response_tokens,
         "parent": None if parent is None else [parent.agent_id, parent.turn_idx, parent.branch_idx],
+        "truncated": s.truncated,
+        "info": None if s.info is None else _clip_info(s.info),
     }
     if own_prompt:
         out["prompt"] = _clip(s.prompt)
@@ -154,6 +169,14 @@ def _clip(text: str | None) -> str | None:
     if text is None or len(text) <= MAX_TEXT:
         return text
     return text[:MAX_TEXT] + f"\n... ({len(text) - MAX_TEXT} more characters not shown)"
+
+
+def _clip_info(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: _clip(v) if isinstance(v, str) else _round_any(v) for k, v in info.items()}
+
+
+def _round_any(x: Any) -> Any:
+    return round(x, 4) if isinstance(x, float) else x
 
 
 def _round(x: float | None) -> float | None:

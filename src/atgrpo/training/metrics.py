@@ -9,6 +9,7 @@ samples.jsonl schema are documented in docs/outputs.md.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -204,9 +205,47 @@ def sample_records(
                 "response": s.response_text,
                 "prompt_tokens": len(s.prompt_ids),
                 "response_tokens": len(s.response_ids),
+                "truncated": s.truncated,
+                "info": step_info(s.info),
             }
         )
     return records
+
+
+INFO_MAX_KEYS = 16  # of a sample's env info kept in samples.jsonl
+INFO_MAX_CHARS = 1000  # of each text in it
+
+
+def step_info(info: Mapping[str, Any]) -> dict[str, Any]:
+    """A bounded, JSON-safe copy of a sample's env info (StepOutcome.info) for samples.jsonl.
+
+    At most :data:`INFO_MAX_KEYS` keys (``agent_id``, the sample's own field, left out); text cut
+    at :data:`INFO_MAX_CHARS` characters; a non-finite number becomes null; anything other than
+    text, numbers, booleans and null is written as its JSON (or repr) text, cut the same way.
+    """
+    out: dict[str, Any] = {}
+    for key, value in info.items():
+        if len(out) >= INFO_MAX_KEYS:
+            break
+        if key == "agent_id":
+            continue
+        out[str(key)] = _info_value(value)
+    return out
+
+
+def _info_value(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value, allow_nan=False, default=repr)
+        except (TypeError, ValueError):
+            value = repr(value)
+    if len(value) <= INFO_MAX_CHARS:
+        return value
+    return value[:INFO_MAX_CHARS] + f"... ({len(value) - INFO_MAX_CHARS} more characters)"
 
 
 def log_samples(path: Path, records: Sequence[dict[str, Any]]) -> None:
