@@ -88,6 +88,7 @@ MICRO_BATCH = 8
 TEMPERATURE = 1.0
 LR = 1e-5
 GRAD_CLIP = 1.0
+PROFILE_ROWS = 15  # operators per phase in --profile's tables
 TASKS = [(17, 25), (38, 46), (123, 289), (504, 77)]
 INSTRUCTION = [
     "You are a careful assistant who solves short arithmetic problems.",
@@ -205,7 +206,9 @@ class AtgrpoStep:
         self.update_settings = update_settings(cfg)
         self.prompts = build_prompts(self.policy.tokenizer)
 
-    def step(self) -> dict[str, float]:
+    def step(self, profiles: dict[str, str] | None = None) -> dict[str, float]:
+        """One step; with ``profiles``, each phase runs under torch.profiler and its table of
+        top operators goes there."""
         from atgrpo.algo.advantage import assign_advantages
         from atgrpo.algo.records import Sample
         from atgrpo.algo.update import ppo_update
@@ -215,15 +218,14 @@ class AtgrpoStep:
         self.policy.activate()
         batch = [p for p in self.prompts for _ in range(K)]  # each prompt's K copies together
         r = self.cfg.rollout
-        gens = self.generator.generate(
-            batch,
-            SamplingParams(
-                max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature,
-                top_k=r.top_k,
-                top_p=r.top_p,
-            ),
+        params = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
         )
+        with profiled("generation", profiles):
+            gens = self.generator.generate(batch, params)
         samples = []
         for i, (prompt, gen) in enumerate(zip(batch, gens, strict=True)):
             score = reward(gen.text)
@@ -247,7 +249,8 @@ class AtgrpoStep:
             )
         t1 = time.perf_counter()
         assign_advantages(samples, self.adv_settings, require_identical_prompts=True)
-        stats = ppo_update(self.policy, samples, self.update_settings)
+        with profiled("update", profiles):
+            stats = ppo_update(self.policy, samples, self.update_settings)
         t2 = time.perf_counter()
         share = self.cfg.train.share_prefix
         return {
@@ -262,6 +265,21 @@ class AtgrpoStep:
             ),
             "update_tokens": float(update_tokens(samples, share)),
         }
+
+
+@contextlib.contextmanager
+def profiled(phase: str, profiles: dict[str, str] | None) -> Any:
+    """Run the block under torch.profiler when ``profiles`` is given; its top operators by
+    self CPU time go to ``profiles[phase]``."""
+    if profiles is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS)
+    profiles[phase] = table
 
 
 def update_tokens(samples: list[Any], shared_prompts: bool) -> int:
@@ -370,7 +388,9 @@ class PlainStep:
         }
 
 
-def run_workload_a(variant: str, model: str, steps: int, seed: int) -> dict[str, Any]:
+def run_workload_a(
+    variant: str, model: str, steps: int, seed: int, profile: bool = False
+) -> dict[str, Any]:
     seed_all(seed)
     runner: AtgrpoStep | PlainStep
     if variant.startswith("plain"):
@@ -389,14 +409,20 @@ def run_workload_a(variant: str, model: str, steps: int, seed: int) -> dict[str,
             flush=True,
         )
     net = runner.model if isinstance(runner, PlainStep) else runner.policy.model
-    return {"history": history, "params": sum(p.numel() for p in net.parameters())}
+    out: dict[str, Any] = {"history": history, "params": sum(p.numel() for p in net.parameters())}
+    if profile and isinstance(runner, AtgrpoStep):
+        out["profiles"] = {}
+        runner.step(out["profiles"])  # one more step, profiled (not in the history)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Workload b: the demo's training loop
 
 
-def run_workload_b(variant: str, model: str, steps: int, seed: int) -> dict[str, Any]:
+def run_workload_b(
+    variant: str, model: str, steps: int, seed: int, profile: bool = False
+) -> dict[str, Any]:
     from atgrpo.config import load_config
     from atgrpo.training import loop as train_module
 
@@ -443,7 +469,7 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     run = run_workload_a if args.workload == "a" else run_workload_b
-    out = run(args.child, args.model, args.steps, args.seed)
+    out = run(args.child, args.model, args.steps, args.seed, args.profile)
     out["peak_rss_mib"] = peak_rss_mib()
     out["load"] = [load_start, os.getloadavg()[0]]  # 1-minute load average: other processes
     out["implemented"] = implemented()
@@ -616,6 +642,7 @@ def parent(args: argparse.Namespace) -> None:
     workloads = ["a", "b"] if args.workload == "all" else [args.workload]
     limits = machine_limits(args.threads)
     notes: dict[str, bool] = {}
+    profiles: dict[str, str] = {}
     failed = False
     tables: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
@@ -640,6 +667,7 @@ def parent(args: argparse.Namespace) -> None:
                     str(args.seed),
                     "--result-file",
                     str(result_file),
+                    *(["--profile"] if args.profile and variant == "atgrpo-share" else []),
                 ]
                 print(f"running ({w}) {variant} ...", file=sys.stderr, flush=True)
                 start = time.perf_counter()
@@ -652,6 +680,9 @@ def parent(args: argparse.Namespace) -> None:
                 result = json.loads(result_file.read_text())
                 notes.update(result["implemented"])
                 tables[w][variant] = summarise(result)
+                profiles.update(
+                    {f"({w}) {variant}, {k}": v for k, v in result.get("profiles", {}).items()}
+                )
                 print(f"  ({w}) {variant} done in {wall:.0f} s", file=sys.stderr, flush=True)
     print(
         "sharing implemented in this source tree: "
@@ -671,6 +702,9 @@ def parent(args: argparse.Namespace) -> None:
         "load: the 1-minute load average when the variant started and ended (much above 1 "
         "on 2 cores: other processes shared them)."
     )
+    for name, table in profiles.items():
+        print(f"\nprofile of one step, {name} (torch.profiler, top {PROFILE_ROWS} by self CPU)")
+        print(table)
     if failed:
         sys.exit(1)
 
@@ -682,6 +716,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile", action="store_true", help="profile one more atgrpo-share step per phase"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
