@@ -111,12 +111,11 @@ class GuessEnv(TurnBasedEnv):
 
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
         """A secret of ``options["split"]`` (default train) drawn with ``seed``."""
-        split = self._split_option(options)
-        seed = self._seed_or_random(seed, split)
+        split = self.split_from_options(options)  # options: only {"split": ...}
+        seed = self.seed_or_random(seed, split)  # None: a fresh random seed
         self._secret = draw_secret(self.config.high, seed, split)
         self._suggestion, self._guess, self._history = None, None, []
-        self._seed, self._split = seed, split
-        self._start_episode()
+        self.start_episode(seed, split)  # agents, turn 0, flags, infos; self.seed, self.split
 
     @property
     def secret(self) -> int:

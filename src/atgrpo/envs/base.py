@@ -158,8 +158,8 @@ class TurnBasedEnv(Generic[InstanceT]):
       current one under its own name (``problem``, ``puzzle``), from :attr:`_current_instance`,
       and its ``instance_key`` (evaluation counts each distinct key once). An env may override
       ``reset`` instead (examples/guess_env.py): it reads its arguments with
-      :meth:`_split_option` and :meth:`_seed_or_random`, sets ``_seed`` and ``_split`` and calls
-      :meth:`_start_episode`;
+      :meth:`split_from_options` and :meth:`seed_or_random`, draws its task and calls
+      :meth:`start_episode` with the seed and the split;
     * ``_prompt(agent_id)``: the agent's chat messages (system and user) in the current state;
     * ``_act(agent_id, text)``: apply ``text``, the agent's answer prefix followed by its
       completion, and return its :class:`StepOutcome` and whether the task is over (solved or
@@ -200,8 +200,8 @@ class TurnBasedEnv(Generic[InstanceT]):
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
         """Start an episode on ``_draw_instance(seed, split)``, the split being
         ``options["split"]`` (default train); ``seed=None`` draws a fresh random seed."""
-        split = self._split_option(options)
-        seed = self._seed_or_random(seed, split)
+        split = self.split_from_options(options)
+        seed = self.seed_or_random(seed, split)
         self.reset_to(self._draw_instance(seed, split))
         self._seed, self._split = seed, split
 
@@ -277,7 +277,15 @@ class TurnBasedEnv(Generic[InstanceT]):
 
     # -- bookkeeping --------------------------------------------------------------------------
 
+    def start_episode(self, seed: int | None, split: Split | str) -> None:
+        """Start the episode of a task an overridden ``reset`` has drawn from ``seed`` in
+        ``split``: every agent acting, the first agent's turn, turn 0, no terminations,
+        truncations or infos; :attr:`seed` and :attr:`split` report the two."""
+        self._start_episode()
+        self._seed, self._split = seed, Split(split)
+
     def _start_episode(self) -> None:
+        """The bookkeeping of :meth:`start_episode`, leaving the seed and split alone."""
         self.agents = list(self.possible_agents)
         self.agent_selection = self.possible_agents[0]
         self.turn_idx = 0
@@ -319,20 +327,25 @@ class TurnBasedEnv(Generic[InstanceT]):
         return copy.deepcopy(self)
 
     @staticmethod
-    def _seed_or_random(seed: int | None, split: Split) -> int:
+    def seed_or_random(seed: int | None, split: Split) -> int:
         """``seed``, or a fresh random seed when it is None (the split is decided by content)."""
         if seed is None:
             return random.SystemRandom().randrange(len(SEED_RANGES[split]))
         return seed
 
     @staticmethod
-    def _split_option(options: dict[str, Any] | None) -> Split:
-        """``reset``'s options: only ``{"split": "train" | "validation" | "test"}``."""
+    def split_from_options(options: dict[str, Any] | None) -> Split:
+        """The split of ``reset``'s options, which take only ``{"split": "train" |
+        "validation" | "test"}`` (default train); a ValueError names an unknown option."""
         options = dict(options or {})
         split = Split(options.pop("split", Split.TRAIN))
         if options:
             raise ValueError(f"unknown reset options {sorted(options)}; known: ['split']")
         return split
+
+    # The underscored names they had before they were public, for envs written against them.
+    _seed_or_random = seed_or_random
+    _split_option = split_from_options
 
 
 # -- the env boundary: whose fault an exception is --------------------------------------------

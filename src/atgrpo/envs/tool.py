@@ -1,22 +1,41 @@
-"""The tool agent of the math and puzzle families: its workflows, its settings and its program.
+"""Tool programs: running the Python a model wrote, for the tool agents of every env family.
 
 docs/algorithm.md, "Multi-agent designs": in the ``mas`` workflow a **tool agent** writes a
 Python program each turn, run in the sandbox, whose printed output is its proposal; the family's
-answering agent (the math reasoner, a puzzle's planner) then reads the program and its output
-and gives the answer that counts. ``single`` is the answering agent alone. What the families
-share lives here: the workflow, the sandbox settings (:class:`ToolAgentConfig`), running the
-program (:func:`run_tool_program`, a :class:`ProgramRun`) and the step info every tool step
-writes (:func:`tool_info`). How the output is read (an answer, an action) is the family's.
+answering agent (the math reasoner, a puzzle's planner, the dataset env's answerer) then reads
+the program and its output and gives the answer that counts. ``single`` is the answering agent
+alone.
+
+This module is public (docs/custom-env.md, "Running model-written code"): an env of your own
+runs its agent's program the way the built-in families do.
+
+* :class:`SandboxSettings` are the config fields of a program's limits and the packages it may
+  import; :attr:`SandboxSettings.sandbox_limits` turns them into a
+  :class:`~atgrpo.sandbox.SandboxLimits`. :class:`ToolAgentConfig` is the built-in families'
+  config base with them.
+* :func:`run_tool_program` takes the program out of a completion (its last fenced code block),
+  runs it in the sandbox (:func:`atgrpo.sandbox.run_python`) and returns a :class:`ProgramRun`;
+  :func:`run_program` runs code already taken out. Neither raises on a bad program: no code,
+  a crash or a timeout is the run's ``status``.
+* The texts of a :class:`ProgramRun` are deterministic: the same program gives the same
+  ``stdout``, ``stderr`` and ``error`` in every run and every sandbox mode, so prompts built
+  from them are too (a rule of ``check_env``). :func:`normalise_program_text` writes every path
+  to the program as ``/sandbox/prog.py`` (its path inside the sandbox's own root; the fallback
+  modes run it from a temporary directory of the host) and every object address
+  (``<Foo object at 0x7f...>``) as ``0x0``.
+* :meth:`ProgramRun.describe` is the program and its result as an answering agent can read
+  them; :func:`tool_info` is the step info every tool step writes.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from atgrpo import sandbox
 from atgrpo.envs.base import FamilyConfig, Workflow
@@ -26,10 +45,21 @@ TOOL = "tool"
 TOOL_PREFIX = "```python\n"  # the tool's primed answer: its program
 NO_CODE = "no_code"  # ProgramRun.status of a completion without a code block
 MAX_INFO_CHARS = 200  # of stdout (and answers) kept in StepOutcome.info
+PROGRAM_PATH = "/sandbox/prog.py"  # how a ProgramRun's texts name the program, in every mode
+# The program's work dir in the fallback modes: tempfile.mkdtemp(prefix="atgrpo-sandbox-"),
+# then a "tmp..." dir inside it (atgrpo.sandbox); anywhere under $TMPDIR.
+# A path starts a token (after a space, a quote, a bracket, '=', ':' or ','), so each
+# position of a long output is tried once: no quadratic backtracking.
+_TOKEN_START = r"(?<![^\s\"'(\[<=:,])"
+_HOST_WORKDIR = re.compile(
+    _TOKEN_START + r"(?:/[^\s\"'/]+)*/atgrpo-sandbox-[A-Za-z0-9_]+(?:/tmp[A-Za-z0-9_]+)?"
+)
+_ANY_PROGRAM_PATH = re.compile(_TOKEN_START + r"(?:/[^\s\"'/]+)+/prog\.py\b")
+_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+\b")  # repr of an object: <Foo object at 0x7f...>
 
 
 class WorkflowKind(enum.StrEnum):
-    MAS = "mas"  # tool agent -> the answering agent (reasoner, planner)
+    MAS = "mas"  # tool agent -> the answering agent (reasoner, planner, answerer)
     SINGLE = "single"  # the answering agent alone
 
 
@@ -42,12 +72,12 @@ def tool_workflow(family: str, kind: WorkflowKind, answerer: str, max_turns: int
     return Workflow(f"{family}_{kind.value}", agents, max_turns, defers_team=agents[:-1])
 
 
-class ToolAgentConfig(FamilyConfig):
-    """The settings of every family with a tool agent; each family's config subclasses this.
+class SandboxSettings(BaseModel):
+    """The config fields of a tool program's sandbox: subclass it in your env's config (or
+    :class:`ToolAgentConfig` in a built-in family's) and run programs with
+    ``run_tool_program(text, self.config.sandbox_limits)``."""
 
-    The sandbox fields come right after ``name``: a pydantic model lists a base class's
-    fields first.
-    """
+    model_config = ConfigDict(extra="forbid")  # a mistyped key fails at load time
 
     sandbox_wall_time_s: float = Field(
         default=5.0, gt=0.0, description="Wall-clock limit of the tool agent's program."
@@ -77,6 +107,12 @@ class ToolAgentConfig(FamilyConfig):
         )
 
 
+class ToolAgentConfig(SandboxSettings, FamilyConfig):
+    """The settings of every built-in family with a tool agent; each family's config
+    subclasses this. The fields are ``name``, then the sandbox's (:class:`SandboxSettings`),
+    then the family's own: a pydantic model lists a base class's fields first."""
+
+
 def checked_packages(packages: list[str]) -> list[str]:
     """``packages`` if a sandboxed program may import them all (a config validator's check)."""
     try:
@@ -86,29 +122,79 @@ def checked_packages(packages: list[str]) -> list[str]:
     return packages
 
 
+def normalise_program_text(text: str) -> str:
+    """``text`` (a program's stdout or stderr) with what differs between identical runs
+    written the same way: any path to the program as ``/sandbox/prog.py`` (its work dir as
+    ``/sandbox``) and object addresses as ``at 0x0``."""
+    text = _HOST_WORKDIR.sub("/sandbox", text)
+    text = _ANY_PROGRAM_PATH.sub(PROGRAM_PATH, text)
+    return _ADDRESS.sub("at 0x0", text)
+
+
 @dataclass(frozen=True)
 class ProgramRun:
-    """The tool agent's program of one turn and what running it did."""
+    """A tool agent's program and what running it did; every text is deterministic
+    (:func:`normalise_program_text`)."""
 
     code: str  # "" when the completion had no code block
     status: str  # NO_CODE or a sandbox ExitStatus value ("ok", "error", "timeout", ...)
     stdout: str
     error: str  # the last line of stderr of a failed program ("" otherwise)
+    stderr: str = ""  # the whole of it (a traceback), normalised
+    truncated: bool = False  # stdout or stderr was cut to the sandbox's max_output_bytes
 
     @property
     def ok(self) -> bool:
+        """The program ran and exited with status 0."""
         return self.status == sandbox.ExitStatus.OK.value
 
+    @property
+    def has_code(self) -> bool:
+        return self.status != NO_CODE
 
-def run_tool_program(text: str, limits: sandbox.SandboxLimits) -> ProgramRun:
-    """Run the code block of the tool's completion ``text`` in the sandbox. Never raises on a
-    bad program: no code block, a crash or a timeout is the run's status."""
+    def describe(self, max_code_chars: int = 1500, max_output_chars: int = 300) -> str:
+        """The program and its result, as an answering agent reads them: the code (its first
+        ``max_code_chars``), then the tail of what it printed, or how it failed."""
+        if not self.has_code:
+            return "The helper wrote no program."
+        code = self.code if len(self.code) <= max_code_chars else self.code[:max_code_chars]
+        cut = "\n# ... (cut)" if len(code) < len(self.code) else ""
+        lines = [f"A helper wrote this program:\n```python\n{code}{cut}\n```"]
+        if not self.ok:
+            error = f": {self.error[:max_output_chars]}" if self.error else ""
+            lines.append(f"It failed ({self.status}){error}")
+        else:
+            output = self.stdout.strip()
+            output = output[max(0, len(output) - max_output_chars) :]
+            lines.append(f"It printed:\n{output}" if output else "It printed nothing.")
+        return "\n".join(lines)
+
+
+def run_program(code: str, limits: sandbox.SandboxLimits | None = None) -> ProgramRun:
+    """Run ``code`` in the sandbox under ``limits`` (default: ``SandboxLimits()``). Never
+    raises on a bad program; raises :class:`~atgrpo.sandbox.SandboxSetupError` only when the
+    machine cannot run the sandbox, or ``limits.packages`` names a package it may not import."""
+    result = sandbox.run_python(code, limits or sandbox.SandboxLimits())
+    stderr = normalise_program_text(result.stderr)
+    error = "" if result.ok else (stderr.strip().splitlines() or [""])[-1]
+    return ProgramRun(
+        code,
+        result.status.value,
+        normalise_program_text(result.stdout),
+        error,
+        stderr,
+        result.truncated,
+    )
+
+
+def run_tool_program(text: str, limits: sandbox.SandboxLimits | None = None) -> ProgramRun:
+    """Run the program of the tool's completion ``text`` (its last fenced code block,
+    :func:`atgrpo.parsing.extract_code`) in the sandbox. Never raises on a bad program: no
+    code block (status ``NO_CODE``), a crash or a timeout is the run's status."""
     code = extract_code(text)
     if code is None:
         return ProgramRun("", NO_CODE, "", "")
-    result = sandbox.run_python(code, limits)
-    error = "" if result.ok else (result.stderr.strip().splitlines() or [""])[-1]
-    return ProgramRun(code, result.status.value, result.stdout, error)
+    return run_program(code, limits)
 
 
 def tool_info(run: ProgramRun, read: object, what: str) -> dict[str, Any]:
