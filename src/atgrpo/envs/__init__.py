@@ -12,6 +12,7 @@ from atgrpo.envs.base import (
 )
 from atgrpo.envs.checker import EnvCheckError, check_env
 from atgrpo.envs.code import CodeConfig, CodeEnv
+from atgrpo.envs.dataset import DatasetConfig, DatasetEnv, DatasetEnvError
 from atgrpo.envs.math import MathConfig, MathEnv
 from atgrpo.envs.plan_path import PLAN_PATH, PlanPathConfig, PlanPathEnv, PlanPathPuzzle
 from atgrpo.envs.puzzle import Effect, Puzzle, PuzzleConfig, PuzzleEnv, PuzzleSpec
@@ -29,7 +30,19 @@ from atgrpo.envs.registry import (
 )
 from atgrpo.envs.sokoban import SOKOBAN, SokobanConfig, SokobanEnv, SokobanPuzzle
 from atgrpo.envs.sudoku import SUDOKU, SudokuConfig, SudokuEnv, SudokuPuzzle
-from atgrpo.envs.tool import WorkflowKind
+from atgrpo.envs.tool import (
+    TOOL,
+    TOOL_PREFIX,
+    ProgramRun,
+    SandboxSettings,
+    ToolAgentConfig,
+    WorkflowKind,
+    normalise_program_text,
+    run_program,
+    run_tool_program,
+    tool_info,
+    tool_workflow,
+)
 from atgrpo.splits import Split, split_of, split_seeds
 
 __all__ = [
@@ -38,8 +51,13 @@ __all__ = [
     "PLAN_PATH",
     "SOKOBAN",
     "SUDOKU",
+    "TOOL",
+    "TOOL_PREFIX",
     "CodeConfig",
     "CodeEnv",
+    "DatasetConfig",
+    "DatasetEnv",
+    "DatasetEnvError",
     "Effect",
     "EnvCheckError",
     "EnvConfig",
@@ -55,10 +73,12 @@ __all__ = [
     "PlanPathEnv",
     "PlanPathPuzzle",
     "PluginEnvConfig",
+    "ProgramRun",
     "Puzzle",
     "PuzzleConfig",
     "PuzzleEnv",
     "PuzzleSpec",
+    "SandboxSettings",
     "SokobanConfig",
     "SokobanEnv",
     "SokobanPuzzle",
@@ -67,13 +87,19 @@ __all__ = [
     "SudokuConfig",
     "SudokuEnv",
     "SudokuPuzzle",
+    "ToolAgentConfig",
     "TurnBasedEnv",
     "Workflow",
     "WorkflowKind",
     "check_env",
     "make_env",
+    "normalise_program_text",
     "register_env",
     "resolve_env",
+    "run_program",
+    "run_tool_program",
     "split_of",
     "split_seeds",
+    "tool_info",
+    "tool_workflow",
 ]

@@ -43,6 +43,7 @@ from pydantic import (
 
 from atgrpo.envs.base import MultiAgentEnv, env_call
 from atgrpo.envs.code import CodeEnv
+from atgrpo.envs.dataset import DatasetEnv
 from atgrpo.envs.math import MathEnv
 from atgrpo.envs.plan_path import PlanPathEnv
 from atgrpo.envs.sokoban import SokobanEnv
@@ -102,7 +103,7 @@ def _family_of(env_class: type) -> EnvFamily:
 
 # The built-in env families, in the order of docs/config.md; the only list of them.
 BUILTIN_ENVS: tuple[EnvFamily, ...] = tuple(
-    _family_of(cls) for cls in (PlanPathEnv, SokobanEnv, SudokuEnv, CodeEnv, MathEnv)
+    _family_of(cls) for cls in (PlanPathEnv, SokobanEnv, SudokuEnv, CodeEnv, MathEnv, DatasetEnv)
 )
 # Name -> family: the built-in ones and those of register_env.
 ENV_REGISTRY: dict[str, EnvFamily] = {family.name: family for family in BUILTIN_ENVS}

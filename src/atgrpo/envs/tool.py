@@ -30,8 +30,10 @@ runs its agent's program the way the built-in families do.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,9 +128,21 @@ def normalise_program_text(text: str) -> str:
     """``text`` (a program's stdout or stderr) with what differs between identical runs
     written the same way: any path to the program as ``/sandbox/prog.py`` (its work dir as
     ``/sandbox``) and object addresses as ``at 0x0``."""
+    text = _temp_workdir().sub("/sandbox", text)
     text = _HOST_WORKDIR.sub("/sandbox", text)
     text = _ANY_PROGRAM_PATH.sub(PROGRAM_PATH, text)
     return _ADDRESS.sub("at 0x0", text)
+
+
+@functools.lru_cache(maxsize=4)
+def _temp_workdir_in(temp_dir: str) -> re.Pattern[str]:
+    pattern = r"/atgrpo-sandbox-[A-Za-z0-9_]+(?:/tmp[A-Za-z0-9_]+)?"
+    return re.compile(_TOKEN_START + re.escape(temp_dir) + pattern)
+
+
+def _temp_workdir() -> re.Pattern[str]:
+    """The fallback modes' work dir under this process's temp dir (which may hold spaces)."""
+    return _temp_workdir_in(tempfile.gettempdir())
 
 
 @dataclass(frozen=True)
