@@ -626,6 +626,14 @@ class EvalConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="Save every N steps; 0 = only at the end.")
     keep: int = Field(2, ge=1, description="How many recent checkpoints to keep.")
+    final: Literal["full", "weights"] = Field(
+        "full",
+        description="The last step's checkpoint. full: weights, optimizer and RNG, like every "
+        "other (the run can be resumed past its end); weights: the weights alone in the training "
+        "dtype (bf16 under bf16 autocast, else fp32) with config and tokenizer, a model folder "
+        "for transformers, atgrpo eval and vLLM, and the earlier checkpoints are removed once it "
+        "is committed (docs/outputs.md).",
+    )
 
 
 SHARED_POLICY = "shared"

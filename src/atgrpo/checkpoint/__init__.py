@@ -12,15 +12,18 @@ from atgrpo.checkpoint.policy_dir import (
     OPTIM_FILE,
     SCHEDULER_FILE,
     SHARDED_DIR,
+    keep_weights_only,
     policy_dir,
     policy_dirs,
     restore_policy_state,
     save_policy,
+    weights_only_saver,
 )
 from atgrpo.checkpoint.steps import (
     DISCARDED,
     LATEST,
     MANIFEST,
+    WEIGHTS_ONLY,
     CheckpointError,
     PolicySaver,
     ResumeWarning,
@@ -37,6 +40,7 @@ from atgrpo.checkpoint.steps import (
     resume_checkpoint,
     save_checkpoint,
     save_torch,
+    weights_only_dtype,
     write_checkpoint,
 )
 
@@ -47,6 +51,7 @@ __all__ = [
     "OPTIM_FILE",
     "SCHEDULER_FILE",
     "SHARDED_DIR",
+    "WEIGHTS_ONLY",
     "CheckpointError",
     "PolicySaver",
     "ResumeWarning",
@@ -55,6 +60,7 @@ __all__ = [
     "checkpoint_step",
     "commit_checkpoint",
     "discard_after",
+    "keep_weights_only",
     "latest_checkpoint",
     "load_torch",
     "load_trainer_state",
@@ -67,5 +73,7 @@ __all__ = [
     "save_checkpoint",
     "save_policy",
     "save_torch",
+    "weights_only_dtype",
+    "weights_only_saver",
     "write_checkpoint",
 ]

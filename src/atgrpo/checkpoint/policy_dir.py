@@ -8,16 +8,22 @@
   every rank's shards of the trainable weights and optimizer state
   (``torch.distributed.checkpoint``), loadable onto any number of ranks, one process included,
   and ``scheduler.pt`` with the LR schedule.
+* A weights-only folder (``checkpoint.final: weights``, :func:`keep_weights_only`): any of the
+  above without optimizer and schedule, a whole model's weights in the training dtype.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from atgrpo.adapters import ADAPTER_CONFIG, save_adapter
 from atgrpo.algo.policy import Policy
-from atgrpo.checkpoint.steps import load_torch, save_torch
+from atgrpo.checkpoint.steps import PolicySaver, load_torch, save_torch
 
 OPTIM_FILE = "optim.pt"  # a replicated policy's optimizer and LR-scheduler state
 SHARDED_DIR = "sharded"  # a sharded policy's torch.distributed.checkpoint
@@ -27,10 +33,12 @@ __all__ = [
     "OPTIM_FILE",
     "SCHEDULER_FILE",
     "SHARDED_DIR",
+    "keep_weights_only",
     "policy_dir",
     "policy_dirs",
     "restore_policy_state",
     "save_policy",
+    "weights_only_saver",
 ]
 
 
@@ -72,6 +80,54 @@ def _unwrapped_class(model: Any) -> type:
     from torch.distributed.fsdp import FSDPModule
 
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
+def keep_weights_only(folder: Path, dtype: torch.dtype) -> None:
+    """Turn a saved ``policy-<id>/`` into what serving needs: drop the optimizer, schedule and
+    shards; cast a whole model's floating-point weights to ``dtype`` (its config.json says so,
+    so transformers and vLLM load it in that dtype). An adapter keeps its fp32 weights (small)."""
+    for name in (OPTIM_FILE, SCHEDULER_FILE):
+        (folder / name).unlink(missing_ok=True)
+    shutil.rmtree(folder / SHARDED_DIR, ignore_errors=True)
+    config = folder / "config.json"
+    if not config.is_file():
+        return  # a LoRA adapter
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    total = 0
+    for weights in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as f:
+            metadata = f.metadata() or {"format": "pt"}
+        tensors = {
+            k: v.to(dtype) if v.is_floating_point() else v
+            for k, v in load_file(str(weights)).items()
+        }
+        total += sum(v.numel() * v.element_size() for v in tensors.values())
+        tmp = weights.with_name(weights.name + ".tmp")  # the loaded tensors may map the file
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(weights)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # several weight files: their index states the total size
+        listed = json.loads(index.read_text(encoding="utf-8"))
+        listed.setdefault("metadata", {})["total_size"] = total
+        index.write_text(json.dumps(listed, indent=2) + "\n", encoding="utf-8")
+    settings = json.loads(config.read_text(encoding="utf-8"))
+    name = str(dtype).removeprefix("torch.")
+    settings["dtype" if "torch_dtype" not in settings else "torch_dtype"] = name
+    config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def weights_only_saver(save: PolicySaver, dtype: torch.dtype) -> PolicySaver:
+    """``save``, then :func:`keep_weights_only` on the folder it wrote: for the final
+    checkpoint of ``checkpoint.final: weights``, from this process or a Ray worker group."""
+
+    def saver(out: Path) -> str:
+        kind = save(out)
+        keep_weights_only(out, dtype)
+        return kind
+
+    return saver
 
 
 def policy_dir(checkpoint: Path, policy_id: str) -> Path:

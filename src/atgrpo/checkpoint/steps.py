@@ -8,6 +8,10 @@ Layout of ``<run_dir>/checkpoints/step-000012/``::
     rng.pt                  Python, NumPy and torch RNG states
     manifest.json           every other file's size and SHA-256
 
+A weights-only checkpoint (``checkpoint.final: weights``, the last step's) has no rng.pt, its
+policy folders no optimizer state, and its trainer_state.json says ``"weights_only": <dtype>``;
+it evaluates like any other but cannot be resumed.
+
 A checkpoint is written into a hidden temporary folder, its files flushed to disk, and renamed
 into place (:func:`write_checkpoint`); a run killed at any moment leaves either no new folder or
 a complete one. The ``latest`` file names the newest checkpoint whose step is also in the logs:
@@ -45,6 +49,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 DISCARDED = "discarded"  # checkpoints/discarded/: folders past the step a run resumed from
 _STEP_PREFIX = "step-"
+WEIGHTS_ONLY = "weights_only"  # trainer_state.json's key of a weights-only checkpoint: its dtype
 
 
 class CheckpointError(RuntimeError):
@@ -132,20 +137,28 @@ def save_checkpoint(
 
 
 def write_checkpoint(
-    run_dir: Path, step: int, savers: Mapping[str, PolicySaver], state: dict[str, Any]
+    run_dir: Path,
+    step: int,
+    savers: Mapping[str, PolicySaver],
+    state: dict[str, Any],
+    *,
+    weights_only: str | None = None,
 ) -> Path:
     """Write ``step-N/`` atomically: every policy's folder, RNG, trainer state and manifest.
 
     ``savers`` maps each policy id to what writes its folder: :func:`save_policy` on the policy
     in this process, or a call to the Ray worker group that holds it. The folder is complete and
     on disk when this returns, but ``latest`` does not name it yet (:func:`commit_checkpoint`).
+    ``weights_only`` (the dtype's name): the savers write weights alone
+    (:func:`~atgrpo.checkpoint.policy_dir.weights_only_saver`); no RNG state is written and
+    trainer_state.json records it.
     """
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(run_dir, step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
     try:
-        _write_into(tmp, step, savers, state)
+        _write_into(tmp, step, savers, state, weights_only)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -176,21 +189,28 @@ def _as_disk_full(exc: OSError | RuntimeError, folder: Path) -> OSError | None:
 
 
 def _write_into(
-    tmp: Path, step: int, savers: Mapping[str, PolicySaver], state: dict[str, Any]
+    tmp: Path,
+    step: int,
+    savers: Mapping[str, PolicySaver],
+    state: dict[str, Any],
+    weights_only: str | None,
 ) -> None:
     """Every file of the checkpoint into ``tmp``, flushed, with its manifest."""
     kinds = {}
     for pid, save in savers.items():
         kinds[pid] = save(tmp / f"policy-{pid}")
-    rng = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    save_torch(rng, tmp / "rng.pt")
+    if weights_only is None:
+        rng = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        save_torch(rng, tmp / "rng.pt")
     trainer_state = {"step": step, "policies": kinds, **state}
+    if weights_only is not None:
+        trainer_state[WEIGHTS_ONLY] = weights_only
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     _write_manifest(tmp)
 
@@ -267,19 +287,39 @@ def resume_checkpoint(run_dir: Path, step: int | None = None) -> Path | None:
             raise CheckpointError(f"--resume-from {step}: no such checkpoint (steps: {steps})")
         if problem := checkpoint_problem(chosen):
             raise CheckpointError(f"--resume-from {step}: {chosen} is damaged: {problem}")
-        return chosen
+        return _resumable(chosen)
     for folder in reversed(folders):
         problem = checkpoint_problem(folder)
         if problem is None:
             for name, why in damaged:
                 _warn(f"checkpoint {name} is damaged ({why}): resuming from {folder.name}")
-            return folder
+            return _resumable(folder)
         damaged.append((folder.name, problem))
     listed = "; ".join(f"{name}: {why}" for name, why in damaged)
     raise CheckpointError(
         f"no intact checkpoint under {root} ({listed}); checkpoint.keep >= 2 keeps one to fall "
         "back to"
     )
+
+
+def _resumable(folder: Path) -> Path:
+    """``folder``, unless it holds weights alone (no optimizer or RNG state to go on from)."""
+    if weights_only_dtype(folder) is None:
+        return folder
+    raise CheckpointError(
+        f"checkpoint {folder} holds the final weights alone (checkpoint.final: weights), without "
+        "optimizer and RNG state: the run finished and cannot be resumed; train a new run from "
+        f"them with model.path={folder}/policy-<id>"
+    )
+
+
+def weights_only_dtype(folder: Path) -> str | None:
+    """The dtype of a weights-only checkpoint (``checkpoint.final: weights``), else None."""
+    try:
+        value = load_trainer_state(folder).get(WEIGHTS_ONLY)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def discard_after(run_dir: Path, step: int) -> list[str]:

@@ -29,12 +29,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from atgrpo import checkpoint as ckpt
 from atgrpo.algo.records import Rollout, Sample
 from atgrpo.algo.update import UpdateStats
+from atgrpo.checkpoint.disk import check_disk_space, checkpoints_at_once, policy_size
 from atgrpo.config import BackendKind, Config, Sampling
 from atgrpo.envs import Split, split_seeds
-from atgrpo.policies import route_samples
+from atgrpo.policies import autocast_dtype_for, route_samples
 from atgrpo.training.batch import collect_tasks, filtered_batch, refill
 from atgrpo.training.evaluation import EvalReport
 from atgrpo.training.metrics import (
@@ -197,7 +200,7 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
         with stages.time("checkpoint"):
             last = step == cfg.train.steps
             due = last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-            written = _write_checkpoint(rt, step, metrics) if due else None
+            written = _write_checkpoint(rt, step, metrics, final=last) if due else None
     metrics.update(perf_metrics(stages.seconds, batch.sampled(), gpus))
     return metrics, written
 
@@ -215,15 +218,50 @@ def _log_samples(cfg: Config, step: int, rollout: Rollout, keys: list[str | None
     log_samples(cfg.run_dir / "samples.jsonl", records)
 
 
-def _write_checkpoint(rt: Runtime, step: int, metrics: dict[str, float]) -> Path:
+def _write_checkpoint(
+    rt: Runtime, step: int, metrics: dict[str, float], final: bool = False
+) -> Path:
+    """``step-N/``; the last step's holds the weights alone under ``checkpoint.final:
+    weights`` (in the training dtype: bf16 under bf16 autocast, else fp32)."""
     cfg = rt.cfg
     state = {
         "routing": rt.policy_of,
         "metrics": {k: v for k, v in metrics.items() if not k.startswith("perf/")},
         "config": cfg.model_dump(mode="json"),  # what a resume compares its config with
     }
-    savers = {pid: learner.save for pid, learner in rt.learners.items()}
-    return ckpt.write_checkpoint(cfg.run_dir, step, savers, state)
+    savers: dict[str, ckpt.PolicySaver] = {
+        pid: learner.save for pid, learner in rt.learners.items()
+    }
+    if not (final and cfg.checkpoint.final == "weights"):
+        return ckpt.write_checkpoint(cfg.run_dir, step, savers, state)
+    dtype = autocast_dtype_for(cfg.model.precision) or torch.float32
+    light = {pid: ckpt.weights_only_saver(save, dtype) for pid, save in savers.items()}
+    name = str(dtype).removeprefix("torch.")
+    return ckpt.write_checkpoint(cfg.run_dir, step, light, state, weights_only=name)
+
+
+def _commit(cfg: Config, written: Path) -> None:
+    """Name ``written`` in ``latest``; a weights-only final checkpoint keeps no other."""
+    light = ckpt.weights_only_dtype(written) is not None
+    ckpt.commit_checkpoint(cfg.run_dir, written, 1 if light else cfg.checkpoint.keep)
+
+
+def check_disk(rt: Runtime, start: int) -> None:
+    """Before step 1: the checkpoints the run will keep at once fit in the free disk space of
+    its folder (estimated from the parameter counts of the policies in this process; policies
+    in Ray worker groups are not counted)."""
+    cfg = rt.cfg
+    if not rt.policies:
+        return
+    one = sum(
+        policy_size(policy, cfg.policies[pid].trainable).total
+        for pid, policy in rt.policies.items()
+    )
+    root = cfg.run_dir / "checkpoints"
+    existing = len(list(root.glob("step-*"))) if root.is_dir() else 0
+    c = cfg.checkpoint
+    count = checkpoints_at_once(start, cfg.train.steps, c.every, c.keep, existing)
+    check_disk_space(cfg.run_dir, one, count, c.keep, c.every)
 
 
 def _stop_if_asked(
@@ -310,6 +348,7 @@ def _run(
         ckpt.restore_rng(start_ckpt)
         start = int(ckpt.load_trainer_state(start_ckpt)["step"])
     result = TrainResult(run_dir=cfg.run_dir, steps_done=start, checkpoint=start_ckpt)
+    check_disk(rt, start)
     if cfg.eval.before_training and start == 0:
         result.eval_before = rt.evaluate(Split.TEST, cfg.eval.num_tasks)
         loggers.log(0, result.eval_before.metrics("test/"))
@@ -323,7 +362,7 @@ def _run(
         metrics, written = _train_step(rt, step, gpus)
         loggers.log(step, metrics)
         if written is not None:  # committed only now that the step is in the logs
-            ckpt.commit_checkpoint(cfg.run_dir, written, cfg.checkpoint.keep)
+            _commit(cfg, written)
             saved, result.checkpoint = step, written
         result.history.append(metrics)
         result.steps_done = step
