@@ -227,4 +227,5 @@ def tool_info(run: ProgramRun, read: object, what: str) -> dict[str, Any]:
         "parse_error": parse_error,
         "program_status": run.status,
         "stdout": run.stdout[:MAX_INFO_CHARS],
+        "error": run.error[:MAX_INFO_CHARS],  # the last stderr line of a failed program
     }
