@@ -65,10 +65,18 @@ class WorkflowKind(enum.StrEnum):
     SINGLE = "single"  # the answering agent alone
 
 
-def tool_workflow(family: str, kind: WorkflowKind, answerer: str, max_turns: int) -> Workflow:
-    """``f"{family}_{kind}"``: the tool agent then ``answerer`` each turn, or ``answerer``
-    alone. The tool only advises (the family scores its proposal without applying it), so it
-    defers the team reward (docs/algorithm.md, "Team credit")."""
+def tool_workflow(
+    family: str, kind: WorkflowKind | str, answerer: str, max_turns: int
+) -> Workflow:
+    """``f"{family}_{kind}"``: the tool agent (id ``"tool"``, :data:`TOOL`) then ``answerer``
+    each turn (``kind`` "mas"), or ``answerer`` alone ("single"). The tool only advises (the
+    family scores its proposal without applying it), so it defers the team reward
+    (docs/algorithm.md, "Team credit")."""
+    try:
+        kind = WorkflowKind(kind)
+    except ValueError:
+        choices = ", ".join(k.value for k in WorkflowKind)
+        raise ValueError(f"tool_workflow: kind {kind!r} is not one of {choices}") from None
     mas = kind is WorkflowKind.MAS
     agents = (TOOL, answerer) if mas else (answerer,)
     return Workflow(f"{family}_{kind.value}", agents, max_turns, defers_team=agents[:-1])
