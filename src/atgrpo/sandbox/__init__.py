@@ -661,7 +661,7 @@ def _prepare(
         join = _join_step(launcher, root_dir) if group is not None else []
         args = _bwrap_args(root_dir, limits, binds)
         return [*launcher.outer, *join, *launcher.namespaces_argv, *args, "--", *program], "/", env
-    layout = _layout(launcher, limits.packages, limits.disk_mb)
+    layout = _layout(launcher, limits.packages, limits.disk_mb, os.getpid())
     mount_step = [launcher.shell, "-c", _MOUNT_SCRIPT, "atgrpo-sandbox", root_dir, _PROGRAM, layout]
     chroot = [launcher.namespaces_argv[0], f"--root={layout}/root", f"--wd={roots.WORKDIR}"]
     argv = [*launcher.outer, *launcher.namespaces_argv, *mount_step, *chroot, "--", *program]
@@ -673,13 +673,13 @@ _LAYOUT_LOCK = threading.Lock()  # not _SETUP_LOCK: the set-up's probes make lay
 
 
 @functools.cache
-def _layout(launcher: _Launcher, packages: tuple[str, ...], disk_mb: int) -> str:
+def _layout(launcher: _Launcher, packages: tuple[str, ...], disk_mb: int, pid: int) -> str:
     """The host dir the unshare backend's mount step reads, made once per process and package
     set: the skeleton of the root (``root/``, the covers' dirs) and its ``fstab``. Programs
     never write it (it is root's; their writes go to the tmpfs mounted over it)."""
     with _LAYOUT_LOCK:
         binds = _program_root(launcher, packages).binds
-        top = tempfile.mkdtemp(prefix="layout-", dir=_layouts_dir())
+        top = tempfile.mkdtemp(prefix="layout-", dir=_layouts_dir(pid))
         os.chmod(top, 0o755)
         covers = roots.skeleton(binds).make(top)
         _write_text(os.path.join(top, _FSTAB), _fstab(top, disk_mb, binds, covers), mode=0o600)
@@ -687,18 +687,26 @@ def _layout(launcher: _Launcher, packages: tuple[str, ...], disk_mb: int) -> str
 
 
 @functools.cache
-def _layouts_dir() -> str:
+def _layouts_dir(pid: int) -> str:
     """Where this process keeps its layouts: in /dev/shm (memory: making ~90 mount points on a
     disk costs milliseconds) when it exists, else the temp dir; removed at exit, and those of
-    processes that died without removing theirs are removed here."""
+    processes that died without removing theirs are removed here. Per process (``pid``): a
+    forked child makes its own."""
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     for name in os.listdir(base):
-        pid = name[len(_LAYOUTS_PREFIX) :].split("-")[0]
-        if name.startswith(_LAYOUTS_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+        owner = name[len(_LAYOUTS_PREFIX) :].split("-")[0]
+        if name.startswith(_LAYOUTS_PREFIX) and owner.isdigit() and not _alive(int(owner)):
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-    path = tempfile.mkdtemp(prefix=f"{_LAYOUTS_PREFIX}{os.getpid()}-", dir=base)
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{_LAYOUTS_PREFIX}{pid}-", dir=base)
+    atexit.register(_remove_own, path, pid)
     return path
+
+
+def _remove_own(path: str, pid: int) -> None:
+    """At exit, remove ``path`` if this process made it (a forked child inherits the handler
+    and the cache; keyed by pid, it makes and removes its own)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
