@@ -19,9 +19,11 @@ Which of the two kernels is faster depends on the CPU: on an AMD EPYC without bf
 float32 wins by 7x (the figures above); on an Intel Xeon with AMX-bf16 the bf16 kernel is the
 faster one at the decode shape (0.25 against 0.41 ms). So the choice is not fixed: at the first
 attention call under autocast, :func:`float32_attention` times both kernels at SmolLM2's decode
-shape on this machine (about 0.1 s, once per process) and keeps the faster, unless
-``ATGRPO_CPU_ATTENTION`` says ``float32`` or ``bf16``. Generation and update use the same choice,
-so the recorded log-probs are those of the distribution sampled from.
+shape on this machine (about 0.1 s, once per process) and takes bf16 only when it is clearly
+faster (under 0.8x float32's time), else float32, unless ``ATGRPO_CPU_ATTENTION`` says
+``float32`` or ``bf16``. Generation and update use the same choice, so the recorded log-probs
+are those of the distribution sampled from; pin it with the variable where runs must be
+bit-identical across processes (a resumed run on a machine where the two are close).
 """
 
 from __future__ import annotations
@@ -39,19 +41,23 @@ CHOICE_ENV_VAR = "ATGRPO_CPU_ATTENTION"  # "auto" (default: probe), "float32" or
 # The probe's shape: a decode step of 32 rows over ~196 cached tokens, 9 heads of 64 (SmolLM2).
 _PROBE_SHAPE = (32, 9, 196, 64)
 _PROBE_REPEATS = 15
+# bf16 is chosen only when clearly faster: where the two are close, timing noise would flip the
+# choice from one process to the next (and a resumed run would compute with the other kernel).
+_BF16_MARGIN = 0.8
 
 
 @functools.cache
 def float32_attention() -> bool:
     """Whether attention on CPU under bf16 autocast runs in float32 in this process (see the
-    module docstring): ``$ATGRPO_CPU_ATTENTION``, else the faster kernel by :func:`probe`."""
+    module docstring): ``$ATGRPO_CPU_ATTENTION``, else float32 unless :func:`probe` finds bf16
+    clearly faster."""
     choice = os.environ.get(CHOICE_ENV_VAR, "auto").strip().lower()
     if choice in ("float32", "bf16"):
         return choice == "float32"
     if choice != "auto":
         raise ValueError(f"{CHOICE_ENV_VAR}={choice!r}: expected auto, float32 or bf16")
     timings = probe()
-    return timings["float32_ms"] < timings["bf16_ms"]
+    return timings["bf16_ms"] > _BF16_MARGIN * timings["float32_ms"]
 
 
 @functools.cache
