@@ -500,14 +500,18 @@ for path in {[str(d) for d in dirs]!r}:
         assert r.status is ExitStatus.OK, r.stderr
         assert secret not in r.stdout
         assert "read " not in r.stdout, r.stdout
-        listed = [line for line in r.stdout.splitlines() if line.startswith("listed")]
-        # /usr/lib holds only the mount points of the libraries the launch needs
-        assert [line.split()[1] for line in listed] in (
-            [],
-            ["/etc"],
-            ["/usr/lib"],
-            ["/etc", "/usr/lib"],
-        ), listed
+        listed = {
+            line.split(" ", 2)[1]: line.split(" ", 2)[2]
+            for line in r.stdout.splitlines()
+            if line.startswith("listed")
+        }
+        # What exists is the program's own: its fresh temp dirs (a checkout under /tmp has its
+        # parent there, empty), /etc with the loader's cache alone, /usr/lib with the mount
+        # points of the libraries the launch needs.
+        own = {*sandbox.roots.TEMP_DIRS, "/etc", "/usr/lib"}
+        assert set(listed) <= own, listed
+        assert all(listed[d] == "[]" for d in listed if d in sandbox.roots.TEMP_DIRS), listed
+        assert listed.get("/etc", "['ld.so.cache']") == "['ld.so.cache']", listed
     finally:
         shutil.rmtree(beside)
 

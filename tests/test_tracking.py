@@ -311,8 +311,15 @@ def _check_eval_json(path: Path) -> dict[str, Any]:
         "mean_reward",
         "note",
         "tasks",
+        # what atgrpo eval measured (training.evaluation.measured)
+        "checkpoint",
+        "env",
+        "models",
+        "config_hash",
+        "config",
     }
     assert data["schema"] == 1 and data["split"] == "test" and data["num_tasks"] == 2
+    assert data["env"]["name"] == "plan_path" and data["config"]["env"] == data["env"]
     assert len(data["tasks"]) == 2
     for i, task in enumerate(data["tasks"]):
         assert set(task) == {

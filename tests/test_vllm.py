@@ -344,3 +344,28 @@ def test_a_missing_vllm_is_a_one_line_config_error() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["rollout.engine=vllm"])
     with pytest.raises(ConfigError, match=r"^rollout\.engine=vllm needs vLLM: make test-vllm"):
         build_generators(cfg, build_policies(cfg))
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_serves_the_weights_only_final_checkpoint(tmp_path: Path) -> None:
+    """checkpoint.final: weights is a model folder vLLM loads as it is (issue 25, item 6)."""
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    from atgrpo import checkpoint as ckpt
+    from atgrpo.training.loop import train
+
+    overrides = [f"run.output_dir={tmp_path}", "run.name=light", "checkpoint.final=weights"]
+    run_dir = train(load_config(REPO / "configs" / "tiny.yaml", overrides)).run_dir
+    final = ckpt.latest_checkpoint(run_dir)
+    assert final is not None
+    llm = LLM(
+        model=str(final / "policy-shared"),
+        kv_cache_memory_bytes=1 << 28,
+        max_model_len=512,
+        enforce_eager=True,
+        generation_config="vllm",
+    )
+    out = llm.generate(["Moves:"], VLLMSamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) >= 1
