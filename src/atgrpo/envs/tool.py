@@ -65,9 +65,7 @@ class WorkflowKind(enum.StrEnum):
     SINGLE = "single"  # the answering agent alone
 
 
-def tool_workflow(
-    family: str, kind: WorkflowKind | str, answerer: str, max_turns: int
-) -> Workflow:
+def tool_workflow(family: str, kind: WorkflowKind | str, answerer: str, max_turns: int) -> Workflow:
     """``f"{family}_{kind}"``: the tool agent (id ``"tool"``, :data:`TOOL`) then ``answerer``
     each turn (``kind`` "mas"), or ``answerer`` alone ("single"). The tool only advises (the
     family scores its proposal without applying it), so it defers the team reward
