@@ -391,3 +391,15 @@ def test_it_trains_on_the_tiny_model_from_a_jsonl_and_a_reward_function(
     samples = [json.loads(x) for x in (out / "dataset" / "samples.jsonl").read_text().splitlines()]
     keys = {s["instance_key"] for s in samples}
     assert len(keys) == 2 and all(split_of(k) is Split.TRAIN for k in keys)  # hash-split file
+
+
+def test_a_missing_key_is_one_line_naming_it_and_what_it_holds() -> None:
+    from atgrpo.config import ConfigError, config_from_raw
+
+    with pytest.raises(ConfigError) as info:
+        path = Path(__file__).resolve().parents[1] / "examples" / "arith.jsonl"
+        config_from_raw({"env": {"name": "dataset", "path": str(path)}})
+    message = str(info.value)
+    assert message.startswith("missing config key 'env.reward_funcs': Reward functions as")
+    assert message.endswith("set it in the config file or as env.reward_funcs=...")
+    assert "\n" not in message

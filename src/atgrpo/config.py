@@ -983,6 +983,12 @@ def _format_error(err: ValidationError, raw: dict[str, Any]) -> str:
     key = ".".join(loc) or "<root>"
     if first["type"] == "extra_forbidden":
         return f"unknown config key {key!r}{_key_hint(key, loc, tag)}"
+    if first["type"] == "missing":
+        meaning = _description(loc, tag)
+        return (
+            f"missing config key {key!r}{': ' + meaning if meaning else ''}; set it in the "
+            f"config file or as {key}=..."
+        )
     given = first.get("input")
     if loc == ["env"] and not isinstance(given, dict):
         return (
@@ -990,6 +996,23 @@ def _format_error(err: ValidationError, raw: dict[str, Any]) -> str:
         )
     shown = repr(given) if not isinstance(given, dict) else "a section"
     return f"invalid value for {key!r}: {first['msg']} (got {shown})"
+
+
+def _description(loc: list[str], tag: str) -> str:
+    """The description of the field at ``loc`` ("" when it has none or is not found)."""
+    model: type[BaseModel] | None = Config
+    if loc[:1] == ["env"]:
+        family = next((f for f in BUILTIN_ENVS if f.name == tag), None)
+        model, loc = (family.config_class if family else None), loc[1:]
+    field = None
+    for name in loc:
+        if model is None or name not in model.model_fields:
+            return ""
+        field = model.model_fields[name]
+        ann = field.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    description = (field.description or "") if field is not None else ""
+    return description.rstrip(".")
 
 
 def _key_hint(key: str, loc: list[str], tag: str) -> str:
