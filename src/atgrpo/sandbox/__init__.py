@@ -384,13 +384,7 @@ def _unshare_launcher(base: _Launcher) -> _Launcher:
             "included)"
         )
         return _with_python(base)
-    launcher = dataclasses.replace(
-        base,
-        namespaces_argv=ns_args,
-        namespaces=True,
-        private_fs=True,
-        shell=shutil.which("sh") or "/bin/sh",
-    )
+    launcher = _isolated(base, ns_args)
     try:
         return _with_python(launcher)
     except SandboxSetupError as exc:
@@ -403,6 +397,18 @@ def _unshare_launcher(base: _Launcher) -> _Launcher:
         return _with_python(dataclasses.replace(launcher, private_fs=False))
 
 
+def _isolated(base: _Launcher, namespaces_argv: tuple[str, ...]) -> _Launcher:
+    """``base`` launched through ``namespaces_argv`` (unshare's or bwrap's) into a root of its
+    own; the shell runs the mount step and the cgroup join."""
+    return dataclasses.replace(
+        base,
+        namespaces_argv=namespaces_argv,
+        namespaces=True,
+        private_fs=True,
+        shell=shutil.which("sh") or "/bin/sh",
+    )
+
+
 def _bwrap_launcher(base: _Launcher) -> _Launcher:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
@@ -410,15 +416,8 @@ def _bwrap_launcher(base: _Launcher) -> _Launcher:
             f"{BACKEND_ENV_VAR}=bwrap but `bwrap` is not on PATH (Debian: apt-get install "
             f"bubblewrap); unset {BACKEND_ENV_VAR} to use unshare"
         )
-    launcher = dataclasses.replace(
-        base,
-        namespaces_argv=(bwrap,),
-        namespaces=True,
-        private_fs=True,
-        shell=shutil.which("sh") or "/bin/sh",
-    )
     try:
-        return _with_python(launcher)
+        return _with_python(_isolated(base, (bwrap,)))
     except SandboxSetupError as exc:
         raise SandboxSetupError(
             f"{BACKEND_ENV_VAR}=bwrap but bwrap does not work here: {exc}"
