@@ -22,7 +22,10 @@ The turn order of roles, the number of turns and the termination rule are data (
 from __future__ import annotations
 
 import copy
+import importlib
+import os
 import random
+import sys
 import sysconfig
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -463,3 +466,29 @@ def _show_path(filename: str, line: int) -> str:
     base = _PACKAGE.parent if _is_ours(filename) else Path.cwd()
     shown = path.relative_to(base) if path.is_relative_to(base) else path
     return f"{shown}:{line}"
+
+
+def import_user_module(module_name: str) -> Any:
+    """Import a user's module from ``sys.path``, then the working directory (appended to
+    ``sys.path`` when it is not on it: the console script ``atgrpo`` does not put it there).
+    Raises ValueError with one line saying what is missing or what broke."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        if module_name == missing or module_name.startswith(missing + "."):
+            raise ValueError(
+                f"no module named {missing!r} on sys.path or in the working directory {cwd}; "
+                "run from the folder that holds it, or install it"
+            ) from None
+        raise ValueError(
+            f"importing {module_name!r} failed: it imports {missing!r}, which is not installed"
+        ) from None
+    except Exception as exc:  # the user's module broke while importing: say where, in one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"importing {module_name!r} failed: {type(exc).__name__}: {first}"
+        ) from None

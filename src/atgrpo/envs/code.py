@@ -53,7 +53,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from atgrpo import sandbox
 from atgrpo.data.code import (
@@ -68,7 +68,7 @@ from atgrpo.data.code import (
 )
 from atgrpo.data.judge import TestResult, pass_rate, run_test_batches
 from atgrpo.envs.base import FamilyConfig, Message, StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.envs.tool import checked_packages
+from atgrpo.envs.tool import ProgramPackages
 from atgrpo.parsing import extract_code, without_surrogates
 from atgrpo.splits import Split
 
@@ -145,7 +145,7 @@ class CodeConfig(FamilyConfig):
     test_memory_mb: int = Field(
         default=1024, ge=64, description="Address-space limit of one test run."
     )
-    sandbox_packages: list[str] = Field(
+    sandbox_packages: ProgramPackages = Field(
         default_factory=lambda: list(sandbox.DEFAULT_PACKAGES),
         description="Python packages a solution or test may import (with what they require); "
         "nothing else of the training environment is visible to it.",
@@ -161,11 +161,6 @@ class CodeConfig(FamilyConfig):
         description="Start each answer for the model: the coder's with '```python', the "
         "tester's with 'Input:' (stdio) or 'assert ' (function). Helps small models.",
     )
-
-    @field_validator("sandbox_packages")
-    @classmethod
-    def _known_packages(cls, value: list[str]) -> list[str]:
-        return checked_packages(value)
 
     @model_validator(mode="after")
     def _check_data(self) -> Self:

@@ -64,7 +64,6 @@ import numbers
 import os
 import random
 import re
-import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -74,7 +73,14 @@ from typing import Any, ClassVar, Literal, Self
 from pydantic import Field, ValidationInfo, field_validator
 
 from atgrpo.data.base import DatasetError
-from atgrpo.envs.base import EnvError, Message, StepOutcome, TurnBasedEnv, env_error
+from atgrpo.envs.base import (
+    EnvError,
+    Message,
+    StepOutcome,
+    TurnBasedEnv,
+    env_error,
+    import_user_module,
+)
 from atgrpo.envs.tool import (
     MAX_INFO_CHARS,
     TOOL,
@@ -232,7 +238,7 @@ def resolve_function(path: str) -> Callable[..., Any]:
     if not isinstance(path, str) or not _FUNCTION_PATH.match(path):
         raise ValueError(f"{path!r} is not an import path; name the function 'module:function'")
     module_name, _, attr_path = path.partition(":")
-    module = _import_module(module_name)
+    module = import_user_module(module_name)
     value: Any = module
     for part in attr_path.split("."):
         if not hasattr(value, part):
@@ -244,29 +250,6 @@ def resolve_function(path: str) -> Callable[..., Any]:
     if not callable(value):
         raise ValueError(f"{path!r} is a {type(value).__name__}, not a function")
     return value
-
-
-def _import_module(module_name: str) -> Any:
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.append(cwd)  # the console script does not put the working directory there
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or module_name
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise ValueError(
-                f"no module named {missing!r} on sys.path or in the working directory {cwd}; "
-                "run from the folder that holds it, or install it"
-            ) from None
-        raise ValueError(
-            f"importing {module_name!r} failed: it imports {missing!r}, which is not installed"
-        ) from None
-    except Exception as exc:  # the user's module broke while importing: one line
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise ValueError(
-            f"importing {module_name!r} failed: {type(exc).__name__}: {first}"
-        ) from None
 
 
 @functools.lru_cache(maxsize=64)

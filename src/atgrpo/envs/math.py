@@ -24,7 +24,6 @@ from atgrpo.data.mathcheck import MAX_ANSWER_CHARS, extract_boxed, verify
 from atgrpo.envs.base import Message, StepOutcome, TurnBasedEnv
 from atgrpo.envs.tool import (
     MAX_INFO_CHARS,
-    NO_CODE,
     TOOL,
     TOOL_PREFIX,
     ProgramRun,
@@ -342,19 +341,14 @@ class MathEnv(TurnBasedEnv[MathProblem]):
 
     def _tool_text(self) -> str:
         run = self._tool_run
-        if run is None or run.status == NO_CODE:
+        if run is None:
             return "The helper wrote no program."
-        limit = self.config.max_code_chars_shown
-        code = run.code if len(run.code) <= limit else f"{run.code[:limit]}\n# ..."
-        lines = [f"A helper wrote this program:\n```python\n{code}\n```"]
-        if not run.ok:
-            error = f": {run.error[:MAX_ANSWER_CHARS_SHOWN]}" if run.error else ""
-            lines.append(f"It failed ({run.status}){error}")
-        else:
-            output = run.stdout.strip()
-            output = output[max(0, len(output) - self.config.max_output_chars_shown) :]  # tail
-            lines.append(f"It printed:\n{output}" if output else "It printed nothing.")
-        return "\n".join(lines)
+        return run.describe(
+            self.config.max_code_chars_shown,
+            self.config.max_output_chars_shown,
+            cut_mark="\n# ...",
+            max_error_chars=MAX_ANSWER_CHARS_SHOWN,
+        )
 
 
 def _clip(text: str | None, limit: int) -> str | None:

@@ -21,11 +21,8 @@ when the config is loaded, in one line that names the key (``env.name`` or ``env
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
-import os
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, TypeAlias, Union
@@ -41,7 +38,7 @@ from pydantic import (
     model_validator,
 )
 
-from atgrpo.envs.base import MultiAgentEnv, env_call
+from atgrpo.envs.base import MultiAgentEnv, env_call, import_user_module
 from atgrpo.envs.code import CodeEnv
 from atgrpo.envs.dataset import DatasetEnv
 from atgrpo.envs.math import MathEnv
@@ -188,30 +185,11 @@ def _unknown_name(name: str) -> str:
 
 
 def _import(module_name: str) -> Any:
-    """Import ``module_name`` from ``sys.path``, then the working directory (appended to
-    ``sys.path`` when it is not on it: the console script ``atgrpo`` does not put it there)."""
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.append(cwd)
+    """:func:`atgrpo.envs.base.import_user_module`, its error as the config's ``env.name``."""
     try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or module_name
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise EnvSpecError(
-                f"invalid value for 'env.name': no module named {missing!r} on sys.path or in "
-                f"the working directory {cwd}; run from the folder that holds it, or install it"
-            ) from None
-        raise EnvSpecError(
-            f"invalid value for 'env.name': importing {module_name!r} failed: it imports "
-            f"{missing!r}, which is not installed"
-        ) from None
-    except Exception as exc:  # the user's module broke while importing: say where, in one line
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise EnvSpecError(
-            f"invalid value for 'env.name': importing {module_name!r} failed: "
-            f"{type(exc).__name__}: {first}"
-        ) from None
+        return import_user_module(module_name)
+    except ValueError as exc:
+        raise EnvSpecError(f"invalid value for 'env.name': {exc}") from None
 
 
 def _missing_class(module: Any, module_name: str, class_path: str) -> str:

@@ -35,9 +35,9 @@ import math
 import re
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from atgrpo import sandbox
 from atgrpo.envs.base import FamilyConfig, Workflow
@@ -80,6 +80,19 @@ def tool_workflow(family: str, kind: WorkflowKind | str, answerer: str, max_turn
     return Workflow(f"{family}_{kind.value}", agents, max_turns, defers_team=agents[:-1])
 
 
+def checked_packages(packages: list[str]) -> list[str]:
+    """``packages`` if a sandboxed program may import them all (a config validator's check)."""
+    try:
+        sandbox.program_packages(packages)
+    except sandbox.SandboxSetupError as exc:
+        raise ValueError(str(exc)) from None
+    return packages
+
+
+# A list of packages a sandboxed program may import, checked when a config is read.
+ProgramPackages = Annotated[list[str], AfterValidator(checked_packages)]
+
+
 class SandboxSettings(BaseModel):
     """The config fields of a tool program's sandbox: subclass it in your env's config (or
     :class:`ToolAgentConfig` in a built-in family's) and run programs with
@@ -93,16 +106,11 @@ class SandboxSettings(BaseModel):
     sandbox_memory_mb: int = Field(
         default=512, ge=32, description="Address-space limit of the tool agent's program."
     )
-    sandbox_packages: list[str] = Field(
+    sandbox_packages: ProgramPackages = Field(
         default_factory=lambda: list(sandbox.DEFAULT_PACKAGES),
         description="Python packages the tool agent's program may import (with what they "
         "require); nothing else of the training environment is visible to it.",
     )
-
-    @field_validator("sandbox_packages")
-    @classmethod
-    def _known_packages(cls, value: list[str]) -> list[str]:
-        return checked_packages(value)
 
     @property
     def sandbox_limits(self) -> sandbox.SandboxLimits:
@@ -119,15 +127,6 @@ class ToolAgentConfig(SandboxSettings, FamilyConfig):
     """The settings of every built-in family with a tool agent; each family's config
     subclasses this. The fields are ``name``, then the sandbox's (:class:`SandboxSettings`),
     then the family's own: a pydantic model lists a base class's fields first."""
-
-
-def checked_packages(packages: list[str]) -> list[str]:
-    """``packages`` if a sandboxed program may import them all (a config validator's check)."""
-    try:
-        sandbox.program_packages(packages)
-    except sandbox.SandboxSetupError as exc:
-        raise ValueError(str(exc)) from None
-    return packages
 
 
 def normalise_program_text(text: str) -> str:
@@ -172,16 +171,25 @@ class ProgramRun:
     def has_code(self) -> bool:
         return self.status != NO_CODE
 
-    def describe(self, max_code_chars: int = 1500, max_output_chars: int = 300) -> str:
+    def describe(
+        self,
+        max_code_chars: int = 1500,
+        max_output_chars: int = 300,
+        *,
+        cut_mark: str = "\n# ... (cut)",
+        max_error_chars: int | None = None,
+    ) -> str:
         """The program and its result, as an answering agent reads them: the code (its first
-        ``max_code_chars``), then the tail of what it printed, or how it failed."""
+        ``max_code_chars``, then ``cut_mark`` when longer), then the tail of what it printed, or
+        how it failed (the error's first ``max_error_chars``, default ``max_output_chars``)."""
         if not self.has_code:
             return "The helper wrote no program."
         code = self.code if len(self.code) <= max_code_chars else self.code[:max_code_chars]
-        cut = "\n# ... (cut)" if len(code) < len(self.code) else ""
+        cut = cut_mark if len(code) < len(self.code) else ""
         lines = [f"A helper wrote this program:\n```python\n{code}{cut}\n```"]
         if not self.ok:
-            error = f": {self.error[:max_output_chars]}" if self.error else ""
+            limit = max_output_chars if max_error_chars is None else max_error_chars
+            error = f": {self.error[:limit]}" if self.error else ""
             lines.append(f"It failed ({self.status}){error}")
         else:
             output = self.stdout.strip()
