@@ -99,3 +99,27 @@ def test_auto_times_both_kernels_and_keeps_the_faster(choice: Callable[[str], No
     choice("fp16")
     with pytest.raises(ValueError, match="ATGRPO_CPU_ATTENTION='fp16'"):
         attention.float32_attention()
+
+
+def test_the_probe_times_each_kernel_in_its_own_dtype_under_autocast(
+    choice: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first attention call comes from a forward under bf16 autocast: the probe must not
+    let autocast cast its float32 inputs (it would time the bf16 kernel twice)."""
+    seen: list[tuple[torch.dtype, bool]] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append((q.dtype, torch.is_autocast_enabled("cpu")))
+        return real(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    choice("auto")
+    attention.probe.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            attention.float32_attention()
+    finally:
+        attention.probe.cache_clear()
+    assert {dtype for dtype, _ in seen} == {torch.float32, torch.bfloat16}
+    assert not any(autocast_on for _, autocast_on in seen)

@@ -62,7 +62,12 @@ def float32_attention() -> bool:
 
 @functools.cache
 def probe() -> dict[str, float]:
-    """Median milliseconds of one CPU attention call at the decode shape, per kernel."""
+    """Median milliseconds of one CPU attention call at the decode shape, per kernel.
+
+    Autocast is off while it times: the first call comes from a model's forward under bf16
+    autocast, which would cast the float32 inputs to bf16 and time the bf16 kernel twice (the
+    cast making "float32" look slower, so bf16 was chosen on a CPU where it is 7x slower).
+    """
     batch, heads, keys, dim = _PROBE_SHAPE
     g = torch.Generator().manual_seed(0)
     query = torch.randn(batch, heads, 1, dim, generator=g)
@@ -70,7 +75,7 @@ def probe() -> dict[str, float]:
     times: dict[str, list[float]] = {"float32_ms": [], "bf16_ms": []}
     inputs = {"float32_ms": (query, key, value)}
     inputs["bf16_ms"] = (query.bfloat16(), key.bfloat16(), value.bfloat16())
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for _ in range(_PROBE_REPEATS + 1):  # in turns, so both see the same machine load
             for name, (q, k, v) in inputs.items():
                 start = time.perf_counter()
