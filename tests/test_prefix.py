@@ -91,6 +91,26 @@ def test_shared_prompts_give_the_unshared_loss_and_gradients(
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-6)  # trainer old log-probs: ratio 1
 
 
+def test_the_prompts_of_a_micro_batch_run_in_one_forward(tmp_path: Path) -> None:
+    """Three groups' prompts (lengths 5, 17, 11) in one left-padded forward, then micro-batches
+    of responses that mix groups: at most 4 forwards, not 3 prompts + 3 groups' chunks."""
+    policy = _policy(tmp_path, "tiny.yaml")
+    samples = _groups(policy, prompt_lengths=(5, 17, 11), k=3)
+    shapes: list[tuple[int, ...]] = []
+    handle = policy.model.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        _step(policy, samples, SHARED)
+    finally:
+        handle.remove()
+    assert shapes[0] == (3, 17)  # the three prompts, left-padded to the longest
+    # 9 responses (1-6 tokens) in micro-batches of 4 (4, 4, 1) that mix the groups; a batch
+    # of one-token responses needs no forward (the prompts' last logits predict them).
+    assert 2 <= len(shapes[1:]) <= 3
+    assert all(rows <= 4 and cols <= 5 for rows, cols in shapes[1:])
+
+
 def test_a_group_split_into_response_chunks_over_one_cached_prompt(tmp_path: Path) -> None:
     policy = _policy(tmp_path, "tiny.yaml")
     samples = _groups(policy, prompt_lengths=(9, 13), k=5)

@@ -51,7 +51,7 @@ from atgrpo.algo.loss import (
 )
 from atgrpo.algo.minibatch import TrainerLogprobs, mini_batches
 from atgrpo.algo.policy import Policy
-from atgrpo.algo.prefix import prompt_groups, run_prompt
+from atgrpo.algo.prefix import prompt_groups, run_prompts
 from atgrpo.algo.records import Sample
 from atgrpo.algo.truncation import Truncation
 from atgrpo.models import autocast_for
@@ -500,26 +500,34 @@ def _backward_shared(
     acc: _Accumulator,
     olds: TrainerLogprobs,
 ) -> None:
-    """Per group of one prompt: the prompt once, its responses in chunks over its cache."""
+    """Up to a micro-batch of distinct prompts in one forward, then their responses in
+    micro-batches over the prompts' cache (a micro-batch may hold several groups)."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
-    for group in prompt_groups(computed):
-        prompt = run_prompt(policy.model, group[0].prompt_ids, policy.autocast_dtype)
-        for start in range(0, len(group), settings.micro_batch_size):
-            chunk = group[start : start + settings.micro_batch_size]
+    groups = prompt_groups(computed)
+    size = settings.micro_batch_size
+    for first in range(0, len(groups), size):
+        batch = groups[first : first + size]
+        prompts = run_prompts(
+            policy.model, [g[0].prompt_ids for g in batch], pad_id, policy.autocast_dtype
+        )
+        members = [(row, s) for row, group in enumerate(batch) for s in group]
+        for start in range(0, len(members), size):
+            rows = torch.tensor([row for row, _ in members[start : start + size]], device=device)
+            chunk = [s for _, s in members[start : start + size]]
             r = collate_responses(chunk, pad_id).to(device)
-            logits = prefix.response_logits_on_prompt(
-                policy.model, prompt, r.targets, r.mask, policy.autocast_dtype
+            logits = prefix.response_logits_on_prompts(
+                policy.model, prompts, rows, r.targets, r.mask, policy.autocast_dtype
             )  # (m, R, V)
             # The full rows (prompt + response) are built only for a KL reference.
-            rows = functools.partial(_full_rows, chunk, pad_id, device)
+            full_rows = functools.partial(_full_rows, chunk, pad_id, device)
             old = olds.get(chunk, device)
             weights = norm.rows(chunk) if _per_agent(settings) else None
-            result = _loss(policy, logits, r, settings, norm, rows, old, weights)
+            result = _loss(policy, logits, r, settings, norm, full_rows, old, weights)
             olds.record(chunk, result.trainer)
             if not _backward(result, acc):
                 return
-        prompt.backward()
+        prompts.backward()
 
 
 def _backward(result: _MicroLoss, acc: _Accumulator, always: bool = False) -> bool:
