@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import logging
 import os
 import sys
@@ -441,6 +442,30 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tool_use(args: argparse.Namespace) -> int:
+    from atgrpo.experiments.tool_use import format_tool_use, read_samples, tool_use
+
+    keys = None
+    if args.keys:
+        pair = [k.strip() for k in args.keys.split(",")]
+        if len(pair) != 2 or not all(pair):
+            raise ConfigError(
+                f"--keys {args.keys!r}: give two info keys, e.g. moves,plan_reaches_goal"
+            )
+        keys = (pair[0], pair[1])
+    for path in args.samples:
+        try:
+            result = tool_use(read_samples(Path(path)), args.tool, args.actor, keys)
+        except ValueError as exc:  # an unreadable file, an unknown agent or info key
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps({"samples": path, **result.summary()}))
+        else:
+            console.print(escape(f"{path}\n{format_tool_use(result)}"))
+    return 0
+
+
 _Commands = argparse._SubParsersAction  # the subcommands of build_parser
 _OVERRIDES_HELP = "dotted key=value overrides, e.g. train.steps=5 (anywhere on the line)"
 
@@ -462,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub)
     _add_report(sub)
     _add_check_env(sub)
+    _add_tool_use(sub)
     return parser
 
 
@@ -588,6 +614,29 @@ def _add_report(sub: _Commands) -> None:
         "--out", metavar="PATH", help="where the page goes (default: <first run>/report.html)"
     )
     p.set_defaults(func=cmd_report)
+
+
+def _add_tool_use(sub: _Commands) -> None:
+    p = sub.add_parser(
+        "tool-use",
+        help="how a tool team used its tool in an evaluation: tool right, actor follows it, ...",
+    )
+    p.add_argument(
+        "samples",
+        nargs="+",
+        metavar="SAMPLES",
+        help="eval-<split>...-samples.jsonl files that atgrpo eval / compare wrote",
+    )
+    p.add_argument("--tool", default="tool", help="the tool agent (default: tool)")
+    p.add_argument("--actor", help="the agent that acts on its output (default: the other one)")
+    p.add_argument(
+        "--keys",
+        metavar="ANSWER,RIGHT",
+        help="the info keys of an answer and of its being right (default: moves,"
+        "plan_reaches_goal or answer,correct, whichever the samples have)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per file")
+    p.set_defaults(func=cmd_tool_use)
 
 
 def _add_check_env(sub: _Commands) -> None:

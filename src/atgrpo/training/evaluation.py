@@ -36,6 +36,7 @@ from atgrpo.config import Config, ConfigError
 from atgrpo.envs import MultiAgentEnv, Split, make_env, split_seeds
 from atgrpo.envs.base import env_call
 from atgrpo.generation import Generator
+from atgrpo.training.metrics import sample_records
 from atgrpo.training.run_dir import changes_since, is_fixed, show_change
 from atgrpo.training.settings import eval_rollout_settings
 
@@ -84,6 +85,9 @@ class EvalReport:
     requested_tasks: int | None = None  # tasks asked for; more than num_tasks on a short split
     note: str = ""  # one line for the caller to print when fewer tasks than asked were scored
     tasks: list[TaskResult] = field(default_factory=list)  # per task, in task_id order
+    # Every episode's samples as samples.jsonl records (step 0), written beside the json by
+    # write_eval_json; empty for a report read back from its json.
+    samples: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {
@@ -209,14 +213,25 @@ def write_eval_json(
     report: EvalReport, path: str | Path, extra: dict[str, Any] | None = None
 ) -> Path:
     """Write ``report`` (and ``extra`` keys) to ``path`` whole or not at all (a temporary
-    file, then a rename)."""
+    file, then a rename), and its episodes' samples to :func:`eval_samples_path` the same way."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    record = eval_record(report) | (extra or {})
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    if report.samples:
+        lines = "".join(json.dumps(r) + "\n" for r in report.samples)
+        _write_whole(eval_samples_path(path), lines)
+    _write_whole(path, json.dumps(eval_record(report) | (extra or {}), indent=2) + "\n")
     return path
+
+
+def eval_samples_path(eval_json: Path) -> Path:
+    """``eval-<split>...-samples.jsonl`` beside ``eval-<split>....json``: every episode's turns."""
+    return eval_json.with_name(eval_json.stem + "-samples.jsonl")
+
+
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 class HeldOutTasks(NamedTuple):
@@ -313,7 +328,11 @@ def evaluate_held_out(
             stepper=stepper,
             pool=pool,
         )
-    return _report(cfg, split, rollout, seeds, keys, note, num_tasks)
+    report = _report(cfg, split, rollout, seeds, keys, note, num_tasks)
+    report.samples = sample_records(
+        0, rollout, num_tasks=len(seeds), grouping=cfg.algo.grouping, tree=False, instance_keys=keys
+    )
+    return report
 
 
 def _report(
