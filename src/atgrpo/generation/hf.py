@@ -13,7 +13,8 @@ never run. The recorded log-prob is thus that of the distribution the token was 
 a batch repeats every prompt K times. Each distinct prompt is prefilled once: one forward of
 the distinct prompts but their last token, left-padded to the batch's width, with the position
 ids ``generate`` derives from the attention mask, fills a ``DynamicCache``, whose rows are then
-copied to the batch's order. ``generate`` gets the whole (N, P) batch and that cache; its
+copied to the batch's order, in layers that append decoded tokens in place
+(:mod:`atgrpo.generation.cache`). ``generate`` gets the whole (N, P) batch and that cache; its
 prefill (``GenerationMixin._prefill``) sees P - 1 cached tokens and runs only the last one.
 Every row sees the same padding, positions and mask as without sharing, so the distribution
 is the same, up to the float rounding of differently shaped matmuls. The sampler draws once
@@ -50,6 +51,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from atgrpo.generation.base import Generation, SamplingParams
+from atgrpo.generation.cache import growing
 from atgrpo.models import autocast_for
 
 # Every GenerationConfig field that changes which token comes next, the decoding mode or what
@@ -382,7 +384,7 @@ class HFGenerator:
         kwargs[cache_kwarg(forward)] = cache
         self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
         cache.batch_select_indices(torch.tensor(rows, device=ids.device))  # (N, ...) rows
-        return cache
+        return growing(cache)  # decoding appends in place (atgrpo.generation.cache)
 
 
 def distinct_rows(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
