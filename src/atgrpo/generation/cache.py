@@ -39,6 +39,7 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None  # set by lazy_initialization
         self.keys = self._append("keys", self.keys, key_states)
         self.values = self._append("values", self.values, value_states)
         return self.keys, self.values
