@@ -8,6 +8,7 @@ run, a Ray cluster or hours (``compare --train``) are listed in ``LONG`` and lef
 
 from __future__ import annotations
 
+import glob
 import re
 import shlex
 from pathlib import Path
@@ -58,6 +59,7 @@ def _train_one_step(config: str, names: list[str], runs: Path) -> None:
 def _argv(command: str, runs: Path) -> list[str]:
     argv = shlex.split(command)[1:]
     argv = [a.replace("runs/", f"{runs}/") if a.startswith("runs/") else a for a in argv]
+    argv = [p for a in argv for p in (sorted(glob.glob(a)) if "*" in a else [a])]  # the shell's
     if "--out" in argv:  # never write into the repository
         i = argv.index("--out") + 1
         argv[i] = str(runs / argv[i])
@@ -72,7 +74,11 @@ def test_a_readme_command_runs(
 ) -> None:
     monkeypatch.chdir(REPO)
     runs = tmp_path / "runs"
-    if "--checkpoint" in command:  # a trained run to evaluate: train it for one step first
+    if " tool-use " in command:  # an evaluation's samples: train one step, evaluate it
+        _train_one_step("configs/demo.yaml", ["my-run"], runs)
+        tiny = [*_tiny("configs/demo.yaml"), f"run.output_dir={runs}"]
+        assert main(["eval", "configs/demo.yaml", "--checkpoint", f"{runs}/my-run", *tiny]) == 0
+    elif "--checkpoint" in command:  # a trained run to evaluate: train it for one step first
         _train_one_step(command.split()[2], re.findall(r"runs/([\w.-]+)", command), runs)
     elif "--resume" in command:  # a run to continue (resuming none is an error): train it first
         name = re.search(r"run\.name=([\w.-]+)", command)
