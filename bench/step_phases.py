@@ -63,7 +63,7 @@ def instrument() -> None:
     # models load with attention.ATTENTION: register the wrapper under it, and keep it there
     attention.register()
     AttentionInterface.register(attention.ATTENTION, attention.fp32_sdpa_on_cpu)
-    models.register_attention = lambda: attention.ATTENTION  # type: ignore[assignment]
+    models.register_attention = lambda: attention.ATTENTION
 
 
 def main() -> None:
