@@ -45,12 +45,13 @@ def main() -> None:
     parser.add_argument(
         "config", help="a Plan-Path config, e.g. configs/compare/plan_path/mas.yaml"
     )
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. env.min_distance=3")
     parser.add_argument("--num-tasks", type=int, default=100)
     parser.add_argument("--split", default="test", choices=["validation", "test"])
     parser.add_argument("--max-moves", type=int, default=5)
     parser.add_argument("--top", type=int, default=5)
     args = parser.parse_args()
-    cfg = load_config(args.config, [])
+    cfg = load_config(args.config, args.overrides)
     envs = [e for e in held_out_tasks(cfg, Split(args.split), args.num_tasks).envs]
     if not all(isinstance(e, PlanPathEnv) for e in envs):
         raise SystemExit(f"error: {args.config} is not a Plan-Path config (env.name: plan_path)")
