@@ -400,7 +400,9 @@ def run_workload_a(
     history = []
     for step in range(1, steps + 1):
         seed_all(seed * 1_000 + step)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         row = runner.step()
+        row["faulted_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 256
         history.append(row)
         print(
             f"  [{variant}] step {step}/{steps}: gen {row['gen_s']:.2f}s update "
@@ -504,9 +506,21 @@ def median(rows: list[dict[str, float]], key: str) -> float:
     return statistics.median(r.get(key, 0.0) for r in rows)
 
 
+SETTLED_MIB = 100  # a step that faults in less new memory than this reuses its pages
+
+
+def settled_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The steps after warm-up that no longer fault in new pages (glibc's heap still grows for
+    2-3 steps: each such step pays for zeroed pages); steps 2.. where none is known to have
+    settled (workload b, or too few steps)."""
+    later = rows[1:] or rows  # step 1 is warm-up (kept only when it is the only step)
+    settled = [r for r in later if r.get("faulted_mib", SETTLED_MIB) < SETTLED_MIB]
+    return settled or later
+
+
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
     rows = result["history"]
-    settled = rows[1:] or rows  # step 1 is warm-up (kept only when it is the only step)
+    settled = settled_rows(rows)
     return {
         "gen_s": median(settled, "gen_s"),
         "update_s": median(settled, "update_s"),
@@ -519,6 +533,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "params": result.get("params", 0),
         "rss": result["peak_rss_mib"],
         "per_step": [r["step_s"] for r in rows],
+        "settled": [i + 1 for i, r in enumerate(rows) if r in settled],
         "load": result["load"],
     }
 
@@ -591,12 +606,14 @@ def print_roofline(summaries: dict[str, dict[str, Any]], limits: dict[str, float
 def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
     header = (
         f"{'variant':<16}{'gen s':>8}{'update s':>10}{'total s':>9}{'tokens':>8}"
-        f"{'tokens/s':>10}{'fwd seqs':>10}{'RSS MiB':>9}{'load':>11}  per-step s (1: warm-up)"
+        f"{'tokens/s':>10}{'fwd seqs':>10}{'RSS MiB':>9}{'load':>11}  per-step s (*: settled)"
     )
     print(header)
     print("-" * len(header))
     for name, s in summaries.items():
-        steps = " ".join(f"{x:.1f}" for x in s["per_step"])
+        steps = " ".join(
+            f"{x:.1f}{'*' if i + 1 in s['settled'] else ''}" for i, x in enumerate(s["per_step"])
+        )
         print(
             f"{name:<16}{s['gen_s']:>8.2f}{s['update_s']:>10.2f}{s['step_s']:>9.2f}"
             f"{s['tokens']:>8.0f}{s['tokens_per_s']:>10.1f}{s['computed']:>10.1f}"
@@ -637,7 +654,9 @@ def parent(args: argparse.Namespace) -> None:
     print(machine())
     print(
         f"settings: --model {args.model} --steps {args.steps} "
-        f"--threads {args.threads} --seed {args.seed}; medians over steps 2..{args.steps}"
+        f"--threads {args.threads} --seed {args.seed}; medians over the settled steps "
+        f"(after step 1, those that faulted in under {SETTLED_MIB} MiB of new pages; "
+        f"else 2..{args.steps})"
     )
     workloads = ["a", "b"] if args.workload == "all" else [args.workload]
     limits = machine_limits(args.threads)
