@@ -59,11 +59,12 @@ class SharedPrompts:
 
     def last_logits(self, rows: torch.Tensor) -> torch.Tensor:  # (m, 1, V)
         """The logits that predict the first response token of each of ``rows``' prompts."""
-        return _rows(self.leaves[-1], rows)
+        return _rows(self.leaves[-1], rows, _only_row(rows))
 
     def layers(self, rows: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (keys, values) of ``rows``' prompts: (m, heads, P, head_dim) each."""
-        kv = [_rows(t, rows) for t in self.leaves[:-1]]
+        only = _only_row(rows)  # once for every layer's tensors
+        kv = [_rows(t, rows, only) for t in self.leaves[:-1]]
         return zip(kv[0::2], kv[1::2], strict=True)
 
     def backward(self) -> None:
@@ -75,12 +76,17 @@ class SharedPrompts:
         self.outputs, self.leaves = [], []  # free the graph and the cache
 
 
-def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``t``'s rows in the order of ``rows``: a view when every row is one prompt's (one group's
-    responses: no copy of its cache), else a gather."""
+def _only_row(rows: torch.Tensor) -> int | None:
+    """The one prompt row every response of ``rows`` is on (one group's responses), else None."""
     first = int(rows[0])
-    if bool((rows == first).all()):
-        return t[first : first + 1].expand(len(rows), *t.shape[1:])
+    return first if bool((rows == first).all()) else None
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor, only: int | None) -> torch.Tensor:
+    """``t``'s rows in the order of ``rows``: a view of row ``only`` when there is one (no copy
+    of its cache), else a gather."""
+    if only is not None:
+        return t[only : only + 1].expand(len(rows), *t.shape[1:])
     return t.index_select(0, rows)
 
 

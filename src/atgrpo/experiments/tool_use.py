@@ -12,11 +12,12 @@ work alone.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from atgrpo.training.metrics import read_metrics
 
 # (answer key, right key) of the env families' info, by the env's instance_key prefix; an env
 # not listed is recognised by the keys its samples have.
@@ -65,10 +66,9 @@ class ToolUse:
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return read_metrics(path)  # the project's JSONL reader (one object per line)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read ({exc.strerror}); run atgrpo eval first") from exc
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def tool_use(
