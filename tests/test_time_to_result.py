@@ -40,7 +40,9 @@ def test_training_seconds_leave_out_checkpoints_and_evaluations() -> None:
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:
-    return argparse.Namespace(out=tmp_path, steps=4, every=2, target=0.5, num_tasks=100)
+    return argparse.Namespace(
+        out=tmp_path, steps=4, every=2, target=0.5, num_tasks=100, keep_checkpoints=False
+    )
 
 
 def _fake_run(tmp_path: Path, successes: dict[int, float], monkeypatch: Any) -> list[int]:
@@ -70,6 +72,17 @@ def test_later_checkpoints_are_not_evaluated_once_reached(tmp_path: Path, monkey
     result = ttr.measure(_args(tmp_path), 0)
     assert (result["step"], result["seconds"]) == (2, pytest.approx(20.0))
     assert evaluated == [2]
+
+
+def test_a_measured_seed_keeps_only_its_evaluations(tmp_path: Path, monkeypatch) -> None:
+    _fake_run(tmp_path, {2: 0.6, 4: 0.1}, monkeypatch)
+    checkpoint = tmp_path / "seed0" / "checkpoints" / "step-000002"
+    (checkpoint / "policy-shared").mkdir(parents=True)
+    (checkpoint / "policy-shared" / "model.safetensors").write_text("weights")
+    (checkpoint / "rng.pt").write_text("rng")
+    (checkpoint / "eval-test.json").write_text("{}")
+    ttr.measure(_args(tmp_path), 0)
+    assert [p.name for p in checkpoint.iterdir()] == ["eval-test.json"]
 
 
 def test_a_seed_that_never_reaches_the_target_says_so(tmp_path: Path, monkeypatch) -> None:
