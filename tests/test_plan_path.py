@@ -153,6 +153,26 @@ def test_goal_bonus_and_moves_after_goal_ignored() -> None:
     assert env.success and env.done and all(env.terminations.values())
 
 
+def test_without_stop_at_goal_every_move_counts_and_the_plan_must_end_on_g() -> None:
+    passing = "Moves: D D R R L"  # reaches G at (2, 2), then leaves it to (2, 1)
+    env = tiny_env(stop_at_goal=False)
+    out = env.step(passing)
+    # D D R R: +1; L: (d 0 -> 1)/4 = -0.25. local = 0.75, team = phi((2,1)) = 1 - 1/4 = 0.75.
+    assert out.local_reward == pytest.approx(0.75) and out.team_reward == pytest.approx(0.75)
+    assert out.info["ignored_moves"] == 0 and env.position == (2, 1)
+    assert not out.info["plan_reaches_goal"] and not env.success
+    ending = tiny_env(stop_at_goal=False)
+    assert ending.step("Moves: D D R R L R").info["plan_reaches_goal"] and ending.success
+    stopping = tiny_env()  # the default: the plan stops at G
+    assert stopping.step(passing).info["ignored_moves"] == 1 and stopping.success
+    assert "must end on G" in _prompt_text(tiny_env(stop_at_goal=False))
+    assert "must end on G" not in _prompt_text(tiny_env())
+
+
+def _prompt_text(env: PlanPathEnv) -> str:
+    return "\n".join(m["content"] for m in env.observe("planner"))
+
+
 def test_reward_parameters_are_used() -> None:
     env = tiny_env(invalid_move_penalty=0.5, goal_bonus=3.0, format_penalty=2.0)
     assert env.clone().step("no label").local_reward == -2.0

@@ -40,6 +40,14 @@ class PlanPathConfig(PuzzleConfig):
         default=0.1, ge=0.0, description="Subtracted per move into a wall or off the grid."
     )
     goal_bonus: float = Field(default=1.0, ge=0.0, description="Added when the goal is reached.")
+    stop_at_goal: bool = Field(
+        default=True,
+        description=(
+            "true: a plan ends where it reaches G (its later moves are ignored), so a plan that "
+            "only passes through G solves; false: every move counts and the plan must end on G "
+            "(a fixed wander near the start then solves far fewer grids)."
+        ),
+    )
     show_coordinates: bool = Field(
         default=True, description="Print row and column numbers around the grid in prompts."
     )
@@ -122,6 +130,8 @@ class PlanPathPuzzle:
         if self.config.show_offset:
             lines.append(_offset_text(pos, inst.goal))
         lines.append("U up, D down, L left, R right. You cannot enter # or leave the grid.")
+        if not self.config.stop_at_goal:
+            lines.append("Every move counts: your plan must end on G.")
         return "\n".join(lines)
 
     def parse(self, text: str, *, from_program: bool) -> list[str] | None:
@@ -134,7 +144,7 @@ class PlanPathPuzzle:
         d0 = inst.dist(inst.start)
         pos, invalid, ignored, progress = self.position, 0, 0, 0.0
         for i, move in enumerate(action):
-            if pos == inst.goal:
+            if pos == inst.goal and cfg.stop_at_goal:
                 ignored = len(action) - i
                 break
             nxt = step_cell(pos, move)
