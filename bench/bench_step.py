@@ -271,13 +271,12 @@ class AtgrpoStep:
             stats = ppo_update(self.policy, samples, self.update_settings)
         t2 = time.perf_counter()
         self.generator.sync_weights()  # vLLM: the new weights into the engine (HF: nothing)
-        sync_s = time.perf_counter() - t2
-        t2 += sync_s
+        t3 = time.perf_counter()
         share = self.cfg.train.share_prefix
         return {
-            "gen_s": t1 - t0 + sync_s,
+            "gen_s": (t1 - t0) + (t3 - t2),  # sampling and the engine's weight sync
             "update_s": t2 - t1,
-            "step_s": t2 - t0,
+            "step_s": t3 - t0,
             "tokens": float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)),
             "computed": float(stats.computed_samples),
             "skipped": float(stats.skipped),

@@ -30,6 +30,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from atgrpo.checkpoint.steps import checkpoint_path
+from atgrpo.training.evaluation import eval_json_path
+from atgrpo.training.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo.yaml"
 
@@ -40,9 +44,7 @@ def run_dir(out: Path, seed: int) -> Path:
 
 def metrics(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path) if path.is_file() else []
 
 
 def train(args: argparse.Namespace, seed: int) -> Path:
@@ -71,8 +73,8 @@ def train(args: argparse.Namespace, seed: int) -> Path:
 
 def evaluate(args: argparse.Namespace, run: Path, step: int) -> float:
     """Held-out success of the checkpoint of ``step`` (evaluated once, then read back)."""
-    checkpoint = run / "checkpoints" / f"step-{step:06d}"
-    result = checkpoint / "eval-test.json"
+    checkpoint = checkpoint_path(run, step)
+    result = eval_json_path("test", checkpoint, run)
     if not result.is_file():
         cmd = [sys.executable, "-m", "atgrpo", "eval", str(run / "config.yaml")]
         cmd += ["--checkpoint", str(checkpoint), "--num-tasks", str(args.num_tasks)]
