@@ -1,4 +1,5 @@
-"""Time HF generation with and without a shared prefill, and the sampler's draw.
+"""Time HF generation with and without a shared prefill (its prompt copied to every row or held
+once), and the sampler's draw.
 
 SmolLM2-135M-Instruct under bf16 autocast, 4 distinct prompts of ~150 tokens x K = 8 copies (the
 rollout's order), 48 new tokens at temperature 1; then the draw alone on (32, 49152) probabilities:
@@ -32,9 +33,9 @@ TEXT = (
 )
 
 
-def prompts(tok) -> list[list[int]]:
-    ids = tok(TEXT * 8, add_special_tokens=False)["input_ids"]
-    distinct = [ids[i : i + n] for i, n in enumerate(LENGTHS)]  # shifted: all different
+def prompts(tok, scale: int = 1) -> list[list[int]]:
+    ids = tok(TEXT * 8 * scale, add_special_tokens=False)["input_ids"]
+    distinct = [ids[i : i + n * scale] for i, n in enumerate(LENGTHS)]  # shifted: all different
     return [p for p in distinct for _ in range(K)]  # (4 x K) rows, each prompt K times in a row
 
 
@@ -47,33 +48,45 @@ def best(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def bench_generate(repeats: int) -> None:
+def bench_generate(repeats: int, scale: int) -> None:
     model, tok = load_model(DEFAULT_MODEL, device="cpu")  # SmolLM2-135M-Instruct
-    batch = prompts(tok)
-    gens = {
-        share: HFGenerator(model, tok, share_prefill=share, autocast_dtype=torch.bfloat16)
-        for share in (False, True)
+    batch = prompts(tok, scale)
+    variants = {  # name: (share_prefill, prompt_once)
+        "share_prefill=False": (False, False),
+        "share_prefill=True, prompt copied": (True, False),
+        "share_prefill=True, prompt once": (True, True),
     }
-    outs: dict[bool, list] = {}
+    gens = {
+        name: HFGenerator(
+            model, tok, share_prefill=share, autocast_dtype=torch.bfloat16, prompt_once=once
+        )
+        for name, (share, once) in variants.items()
+    }
+    outs: dict[str, list] = {}
 
-    def run(share: bool) -> None:
+    def run(name: str) -> None:
         torch.manual_seed(0)
-        outs[share] = gens[share].generate(
+        outs[name] = gens[name].generate(
             batch, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0)
         )
 
-    times = {False: float("inf"), True: float("inf")}
+    times = dict.fromkeys(variants, float("inf"))
     for _ in range(repeats):
-        for share in (False, True):  # alternating: a burst of other load hits both alike
+        for name in variants:  # alternating: a burst of other load hits all alike
             start = time.perf_counter()
-            run(share)
-            times[share] = min(times[share], time.perf_counter() - start)
-    same = sum(a.token_ids == b.token_ids for a, b in zip(outs[False], outs[True], strict=True))
-    steps = max(len(o.token_ids) for o in outs[True])
-    print(f"generate {len(batch)} rows ({len(LENGTHS)} prompts x K={K}), {steps} steps, bf16:")
-    print(f"  share_prefill=False {times[False]:7.2f} s")
-    print(f"  share_prefill=True  {times[True]:7.2f} s   ratio {times[False] / times[True]:.2f}x")
-    print(f"  identical responses: {same}/{len(batch)}")
+            run(name)
+            times[name] = min(times[name], time.perf_counter() - start)
+    base = next(iter(variants))
+    steps = max(len(o.token_ids) for o in outs[base])
+    width = max(len(p) for p in batch)
+    print(f"generate {len(batch)} rows ({len(LENGTHS)} prompts of up to {width} tokens x K={K}),")
+    print(f"{steps} steps, bf16 autocast, best of {repeats}:")
+    for name in variants:
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs[base], outs[name], strict=True))
+        print(
+            f"  {name:<34} {times[name]:7.2f} s   {times[base] / times[name]:.2f}x"
+            f"   responses identical to the first: {same}/{len(batch)}"
+        )
 
 
 def bench_draw(repeats: int, rows: int = 32, vocab: int = 49152, calls: int = 20) -> None:
@@ -98,11 +111,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's")
+    parser.add_argument("--skip-draw", action="store_true", help="time generation only")
+    parser.add_argument(
+        "--prompt-scale", type=int, default=1, help="prompts this many times longer (~150 x N)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    bench_draw(args.repeats)
-    bench_generate(args.repeats)
+    if not args.skip_draw:
+        bench_draw(args.repeats)
+    bench_generate(args.repeats, args.prompt_scale)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ from typing import Any
 import torch
 
 ATTENTION = "atgrpo_sdpa"  # the name models are loaded with (models.load_model)
+# Keys carrying this attribute come from a cache layer that holds their prompt's keys and values
+# elsewhere (atgrpo.generation.prefix_cache); its ``attend`` computes the attention.
+HELD_PROMPT = "_atgrpo_held_prompt"
 CHOICE_ENV_VAR = "ATGRPO_CPU_ATTENTION"  # "auto" (default: probe), "float32" or "bf16"
 # The probe's shape: a decode step of 32 rows over ~196 cached tokens, 9 heads of 64 (SmolLM2).
 _PROBE_SHAPE = (32, 9, 196, 64)
@@ -96,10 +99,13 @@ def fp32_sdpa_on_cpu(
     :func:`float32_attention` says so.
 
     (Under autocast the rotary embedding leaves the query and key in float32 and the value in
-    bf16; autocast would then run SDPA's bf16 kernel on all three.)
+    bf16; autocast would then run SDPA's bf16 kernel on all three.) Keys that carry
+    :data:`HELD_PROMPT` are attended by the cache layer they name (float32 as well).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if (layer := getattr(key, HELD_PROMPT, None)) is not None:  # decoding over prompts held once
+        return layer.attend(query, key, value, attention_mask, kwargs.get("scaling")), None
     half = any(t.dtype in (torch.bfloat16, torch.float16) for t in (query, key, value))
     if query.device.type != "cpu" or not (half or torch.is_autocast_enabled("cpu")):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -9,19 +9,20 @@ transformers (temperature, top-k, top-p, min-p, typical-p, ...), which it builds
 never run. The recorded log-prob is thus that of the distribution the token was drawn from. Only one
 (N, V) tensor of a step is alive, not ``output_scores``' (steps, N, V).
 
-**Shared prefill** (``share_prefill=True``). The rollout asks for K samples of each prompt, so
-a batch repeats every prompt K times. Each distinct prompt is prefilled once: one forward of
-the distinct prompts but their last token, left-padded to the batch's width, with the position
-ids ``generate`` derives from the attention mask, fills a ``DynamicCache``, whose rows are then
-copied to the batch's order, in layers that append decoded tokens in place
-(:mod:`atgrpo.generation.cache`). ``generate`` gets the whole (N, P) batch and that cache; its
-prefill (``GenerationMixin._prefill``) sees P - 1 cached tokens and runs only the last one.
-Every row sees the same padding, positions and mask as without sharing, so the distribution
-is the same, up to the float rounding of differently shaped matmuls. The sampler draws once
-per step for the whole batch in both paths, so a seed gives the same tokens in fp32 (the
-logits agree to 1e-6); under bf16 autocast that rounding (1e-4 in the log-probs) flips some
-draws, not the distribution. A model whose cache cannot be copied row by row (recurrent
-state, a static cache) is refused with an error naming ``rollout.share_prefill=false``.
+**Shared prefill** (``share_prefill=True``). The rollout asks for K samples of each prompt, so a
+batch repeats every prompt K times. Each distinct prompt is prefilled once: one forward of the
+distinct prompts but their last token, left-padded to the batch's width, with the position ids
+``generate`` derives from the attention mask, fills a ``DynamicCache``. Decoding then holds each
+prompt's keys and values once for its rows (:mod:`atgrpo.generation.prefix_cache`, on CPU with
+float32 attention), or else copies its rows to the batch's order, in layers that append decoded
+tokens in place (:mod:`atgrpo.generation.cache`). ``generate`` gets the whole (N, P) batch and
+that cache; its prefill (``GenerationMixin._prefill``) sees P - 1 cached tokens and runs only
+the last one. Every row sees the same padding, positions and mask as without sharing, so the
+distribution is the same, up to the float rounding of differently shaped matmuls. The sampler
+draws once per step for the whole batch in both paths, so a seed gives the same tokens in fp32
+(the logits agree to 1e-6); under bf16 autocast that rounding (1e-4 in the log-probs) flips some
+draws, not the distribution. A model whose cache cannot be copied row by row (recurrent state, a
+static cache) is refused with an error naming ``rollout.share_prefill=false``.
 
 **Nothing from the model's generation config.** In transformers 5
 (``GenerationMixin._prepare_generation_config`` in transformers/generation/utils.py) the
@@ -49,9 +50,12 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
 
+from atgrpo.attention import ATTENTION, float32_attention
 from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.generation.cache import growing
+from atgrpo.generation.prefix_cache import shared_prefix
 from atgrpo.models import autocast_for
 
 # Every GenerationConfig field that changes which token comes next, the decoding mode or what
@@ -252,7 +256,9 @@ class HFGenerator:
     """Batched sampling from a transformers causal LM (the default backend on CPU).
 
     ``share_prefill``: prefill each distinct prompt of a batch once (module docstring); False
-    prefills every row.
+    prefills every row. ``prompt_once``: then also hold each prompt's keys and values once while
+    decoding, where :func:`reads_prompt_once` allows (:mod:`atgrpo.generation.prefix_cache`);
+    False copies them to every row (the same attention; for measuring the two).
     """
 
     def __init__(
@@ -263,8 +269,10 @@ class HFGenerator:
         share_prefill: bool,
         autocast_dtype: torch.dtype | None = None,
         max_batch_size: int | None = None,
+        prompt_once: bool = True,
     ) -> None:
         self.model = model
+        self.prompt_once = prompt_once
         self.tokenizer = tokenizer
         self.share_prefill = share_prefill
         self.autocast_dtype = autocast_dtype
@@ -383,8 +391,24 @@ class HFGenerator:
         cache = _empty_cache(self.model)
         kwargs[cache_kwarg(forward)] = cache
         self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
+        once = self.prompt_once and len(firsts) < len(rows)
+        if once and reads_prompt_once(self.model, self.autocast_dtype, cache):
+            return shared_prefix(cache, torch.tensor(rows, device=ids.device))
         cache.batch_select_indices(torch.tensor(rows, device=ids.device))  # (N, ...) rows
         return growing(cache)  # decoding appends in place (atgrpo.generation.cache)
+
+
+def reads_prompt_once(model: Any, autocast_dtype: torch.dtype | None, cache: DynamicCache) -> bool:
+    """Whether decoding can hold each prompt once (:mod:`atgrpo.generation.prefix_cache`): on
+    CPU, with atgrpo's attention computing in float32, over plain ``DynamicLayer``s."""
+    base = unwrapped(model)
+    if base.config._attn_implementation != ATTENTION or base.device.type != "cpu":
+        return False
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return False
+    if autocast_dtype is None and base.dtype == torch.float32:
+        return True  # float32 throughout
+    return float32_attention()  # this CPU's half-precision attention is slower: float32 here
 
 
 def distinct_rows(prompts: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -1,0 +1,143 @@
+"""Decoding over a shared prompt: each distinct prompt's keys and values are held and read once.
+
+A rollout samples K answers to each prompt. With the shared prefill
+(:mod:`atgrpo.generation.hf`), each distinct prompt is run once, but a plain cache then copies
+its keys and values to all K rows, and every decode step reads the prompt K times: for
+bench_step's workload (a) (4 prompts of ~157 tokens, K = 8, 30 layers) that is most of what
+attention reads, and attention was ~40 % of a decode step.
+
+:class:`SharedPrefixLayer` keeps the prompt's keys and values once per distinct prompt (D rows,
+float32) and only the decoded tokens per row (N rows, appended in place). Attention
+(:func:`prefix_attention`, called by :func:`atgrpo.attention.fp32_sdpa_on_cpu` for the keys such
+a layer returns, marked with :data:`atgrpo.attention.HELD_PROMPT`) scores each row's query
+against its own prompt with one batched matmul per distinct prompt (its K rows' queries
+together) and against its own decoded tokens, takes one softmax over both score blocks together,
+and sums the two weighted value blocks. It is the same attention as over the copied cache (same
+scores, mask, softmax and values, in float32), differing only in float rounding.
+
+It is used on CPU where attention runs in float32 anyway (:func:`atgrpo.attention
+.float32_attention`, or a float32 model without autocast), for a model loaded with atgrpo's
+attention (:data:`atgrpo.attention.ATTENTION`) whose cache layers are all plain
+``DynamicLayer``, when some prompt repeats; elsewhere the prompt's rows are copied as before
+(:func:`atgrpo.generation.cache.growing`), which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from atgrpo.attention import HELD_PROMPT
+from atgrpo.generation.cache import GrowingLayer
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """A cache layer: the distinct prompts' keys / values (D rows) and each row's decoded tokens
+    (N rows); ``rows[i]`` is row i's prompt. ``update`` returns the decoded part only, marked so
+    that atgrpo's attention reads the prompt part from here (module docstring)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.prompt_keys = keys.float()  # (D, Hkv, P, d)
+        self.prompt_values = values.float()  # (D, Hkv, P, d)
+        self.slots, self.back = _slots(rows)
+        self.decoded = GrowingLayer()
+        self.device, self.is_initialized = keys.device, True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.decoded.update(key_states, value_states)
+        setattr(keys, HELD_PROMPT, self)  # atgrpo's attention calls self.attend on them
+        return keys, values
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        return prefix_attention(self, query, keys, values, mask, scaling)
+
+    def get_seq_length(self) -> int:
+        return self.prompt_keys.shape[-2] + self.decoded.get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(_REFUSED)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(_REFUSED)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(_REFUSED)
+
+
+_REFUSED = "a shared-prompt cache cannot change its rows; set rollout.share_prefill=false"
+
+
+def _slots(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, K) row indices of each prompt's rows (padded with row 0 where a prompt has fewer than
+    the most), and (N,) each row's place in that grid flattened."""
+    counts = torch.bincount(rows)
+    width = int(counts.max())
+    slots = torch.zeros(len(counts), width, dtype=torch.long, device=rows.device)
+    back = torch.empty_like(rows)
+    filled = [0] * len(counts)
+    for i, d in enumerate(rows.tolist()):
+        slots[d, filled[d]] = i
+        back[i] = d * width + filled[d]
+        filled[d] += 1
+    return slots, back
+
+
+def prefix_attention(
+    layer: SharedPrefixLayer,
+    query: torch.Tensor,  # (N, H, 1, d)
+    keys: torch.Tensor,  # (N, Hkv, T, d): the decoded tokens, the current one last
+    values: torch.Tensor,  # (N, Hkv, T, d)
+    mask: torch.Tensor | None,  # (N, 1, 1, P + T) bool (True: attend) or additive float
+    scaling: float | None,
+) -> torch.Tensor:  # (N, 1, H, d) in the values' dtype
+    """One decode step's attention over the prompt held once per prompt plus the decoded tokens."""
+    n, heads, length, dim = query.shape
+    if length != 1:
+        raise ValueError(f"shared-prompt attention decodes one token at a time, got {length}")
+    kv_heads, prompt = layer.prompt_keys.shape[1], layer.prompt_keys.shape[2]
+    q = query.float().reshape(n, kv_heads, heads // kv_heads, dim)  # (N, Hkv, G, d)
+    with torch.autocast(query.device.type, enabled=False):
+        scores = torch.cat(
+            [_per_prompt(layer, q, layer.prompt_keys.transpose(-1, -2)), q @ keys.float().mT], -1
+        )  # (N, Hkv, G, P + T)
+        scores = scores * (scaling if scaling is not None else 1 / math.sqrt(dim))
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, -math.inf)
+        elif mask is not None:
+            scores = scores + mask.float()
+        probs = torch.softmax(scores, dim=-1)
+        out = _per_prompt(layer, probs[..., :prompt], layer.prompt_values)  # (N, Hkv, G, d)
+        out = out + probs[..., prompt:] @ values.float()
+    return out.reshape(n, 1, heads, dim).to(values.dtype)
+
+
+def _per_prompt(layer: SharedPrefixLayer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x[i] @ y[rows[i]]`` for every row i, as one matmul per prompt over its rows together.
+
+    x (N, Hkv, G, a), y (D, Hkv, a, b) -> (N, Hkv, G, b)."""
+    prompts, width = layer.slots.shape
+    _, kv_heads, groups, a = x.shape
+    grid = x[layer.slots].transpose(1, 2).reshape(prompts, kv_heads, width * groups, a)
+    out = grid @ y  # (D, Hkv, K * G, b)
+    out = out.reshape(prompts, kv_heads, width, groups, -1).transpose(1, 2)  # (D, K, Hkv, G, b)
+    return out.reshape(prompts * width, kv_heads, groups, -1)[layer.back]
+
+
+def shared_prefix(cache: Any, rows: torch.Tensor) -> Any:
+    """``cache`` (D rows: the distinct prompts) with every layer a :class:`SharedPrefixLayer` for
+    the N rows ``rows`` (each row's prompt)."""
+    cache.layers = [SharedPrefixLayer(x.keys, x.values, rows) for x in cache.layers]
+    return cache

@@ -1,0 +1,113 @@
+"""Decoding over prompts held once per distinct prompt (atgrpo.generation.prefix_cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import atgrpo.generation.hf as hf
+from atgrpo.attention import register
+from atgrpo.generation import HFGenerator, SamplingParams
+from atgrpo.generation.prefix_cache import (
+    SharedPrefixLayer,
+    _slots,
+    prefix_attention,
+    shared_prefix,
+)
+from atgrpo.models import build_tiny_model
+
+OFF = {"top_k": 0, "top_p": 1.0}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[object, object]:
+    model, tok = build_tiny_model(seed=0)
+    model.set_attn_implementation(register())  # atgrpo's attention, as models.load_model loads
+    tok.padding_side = "left"
+    return model, tok
+
+
+def _grouped(tok) -> list[list[int]]:
+    # 3 prompts of different lengths (left padding in the prefix), in an interleaved order,
+    # with unequal numbers of rows (3, 2, 1): the slots grid is padded.
+    a, b, c = (tok(t, add_special_tokens=False)["input_ids"] for t in ["a longer one", "hi", "x y"])
+    return [a, b, a, c, b, a]
+
+
+def _generate(model, tok, prompts, shared: bool, monkeypatch, **kw):
+    monkeypatch.setattr(hf, "reads_prompt_once", lambda *a: shared)
+    layers: list[type] = []
+    inner = hf.HFGenerator._prefill
+
+    def prefill(self, *args):
+        cache = inner(self, *args)
+        layers.extend({type(x) for x in cache.layers})
+        return cache
+
+    monkeypatch.setattr(hf.HFGenerator, "_prefill", prefill)
+    torch.manual_seed(0)
+    params = SamplingParams(max_new_tokens=12, **kw)
+    return HFGenerator(model, tok, share_prefill=True).generate(prompts, params), layers
+
+
+@pytest.mark.parametrize("temperature", [1.0, None])
+def test_same_tokens_and_logprobs_as_the_copied_prompt(tiny, monkeypatch, temperature) -> None:
+    model, tok = tiny
+    prompts = _grouped(tok)
+    kw = {"temperature": temperature, **OFF}
+    once, kinds = _generate(model, tok, prompts, True, monkeypatch, **kw)
+    assert kinds == [SharedPrefixLayer]  # the path under test ran
+    copied, kinds = _generate(model, tok, prompts, False, monkeypatch, **kw)
+    assert SharedPrefixLayer not in kinds
+    for a, b in zip(once, copied, strict=True):
+        assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_it_is_chosen_for_float32_attention_on_cpu(tiny, monkeypatch) -> None:
+    model, _ = tiny
+    cache = DynamicCache(config=model.config)
+    assert hf.reads_prompt_once(model, None, cache)  # float32 throughout
+    monkeypatch.setattr(hf, "float32_attention", lambda: False)  # bf16 attention is faster
+    assert not hf.reads_prompt_once(model, torch.bfloat16, cache)
+    monkeypatch.setattr(hf, "float32_attention", lambda: True)
+    assert hf.reads_prompt_once(model, torch.bfloat16, cache)
+    plain, _ = build_tiny_model(seed=0)  # transformers' own SDPA: never routed to ours
+    assert not hf.reads_prompt_once(plain, None, DynamicCache(config=plain.config))
+
+
+def test_attention_by_hand_against_the_copied_keys() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([1, 0, 1, 1, 2])  # 3 prompts, unequal row counts
+    prompt_k, prompt_v = (torch.randn(3, 2, 6, 8, generator=g) for _ in range(2))
+    cache = DynamicCache()
+    cache.update(prompt_k, prompt_v, 0)
+    layer = shared_prefix(cache, rows).layers[0]
+    new_k, new_v = (torch.randn(5, 2, 4, 8, generator=g) for _ in range(2))
+    keys, values = layer.update(new_k, new_v)
+    assert layer.get_seq_length() == 10
+    query = torch.randn(5, 6, 1, 8, generator=g)  # 3 query heads per key / value head
+    mask = torch.rand(5, 1, 1, 10, generator=g) > 0.3
+    mask[..., -1] = True  # the current token is always seen
+    got = prefix_attention(layer, query, keys, values, mask, 0.3)  # (5, 1, 6, 8)
+    full_k = torch.cat([prompt_k[rows], new_k], -2).repeat_interleave(3, dim=1)  # (5, 6, 10, 8)
+    full_v = torch.cat([prompt_v[rows], new_v], -2).repeat_interleave(3, dim=1)
+    scores = (query @ full_k.mT * 0.3).masked_fill(~mask, -torch.inf)
+    want = (scores.softmax(-1) @ full_v).transpose(1, 2)  # (5, 1, 6, 8)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_slots_place_every_row_once() -> None:
+    slots, back = _slots(torch.tensor([2, 0, 2, 1, 2]))
+    assert slots.shape == (3, 3)
+    assert slots.flatten()[back].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_rows_cannot_be_reselected() -> None:
+    cache = DynamicCache()
+    k = torch.zeros(2, 1, 3, 4)
+    cache.update(k, k, 0)
+    layer = shared_prefix(cache, torch.tensor([0, 0, 1])).layers[0]
+    with pytest.raises(NotImplementedError, match="share_prefill=false"):
+        layer.batch_select_indices(torch.tensor([0]))
