@@ -466,6 +466,36 @@ def cmd_tool_use(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_groups(args: argparse.Namespace) -> int:
+    from atgrpo.experiments.groups import format_groups, group_rows, read_run_metrics
+
+    first, last = _step_range(args.steps)
+    for run in args.runs:
+        try:
+            rows = group_rows(read_run_metrics(Path(run)), first, last)
+        except ValueError as exc:  # no metrics.jsonl, or an unreadable one
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if not rows:
+            print(f"error: {run}: no groups/ metrics in that step range", file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps({"run": run, "groups": [vars(r) for r in rows]}))
+        else:
+            console.print(escape(f"{run}\n{format_groups(rows)}"))
+    return 0
+
+
+def _step_range(text: str | None) -> tuple[int | None, int | None]:
+    if text is None:
+        return None, None
+    ends = [e.strip() for e in text.split(":")]
+    if len(ends) != 2 or not all(e.lstrip("-").isdigit() for e in ends if e):
+        raise ConfigError(f"--steps {text!r}: give FIRST:LAST, e.g. 1:30 or 31: (ends optional)")
+    first, last = (int(e) if e else None for e in ends)
+    return first, last
+
+
 _Commands = argparse._SubParsersAction  # the subcommands of build_parser
 _OVERRIDES_HELP = "dotted key=value overrides, e.g. train.steps=5 (anywhere on the line)"
 
@@ -488,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_check_env(sub)
     _add_tool_use(sub)
+    _add_groups(sub)
     return parser
 
 
@@ -637,6 +668,19 @@ def _add_tool_use(sub: _Commands) -> None:
     )
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(func=cmd_tool_use)
+
+
+def _add_groups(sub: _Commands) -> None:
+    p = sub.add_parser(
+        "groups",
+        help="a run's advantage groups per agent and turn: count, size, share with tied rewards",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or their metrics.jsonl)")
+    p.add_argument(
+        "--steps", metavar="FIRST:LAST", help="only these training steps (either end optional)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per run")
+    p.set_defaults(func=cmd_groups)
 
 
 def _add_check_env(sub: _Commands) -> None:
