@@ -1,5 +1,5 @@
 """Time HF generation with and without a shared prefill (its prompt copied to every row or held
-once), and the sampler's draw.
+once; the linear layers on autocast's calls or on packed weights), and the sampler's draw.
 
 SmolLM2-135M-Instruct under bf16 autocast, 4 distinct prompts of ~150 tokens x K = 8 copies (the
 rollout's order), 48 new tokens at temperature 1; then the draw alone on (32, 49152) probabilities:
@@ -51,16 +51,22 @@ def best(fn: Callable[[], object], repeats: int) -> float:
 def bench_generate(repeats: int, scale: int) -> None:
     model, tok = load_model(DEFAULT_MODEL, device="cpu")  # SmolLM2-135M-Instruct
     batch = prompts(tok, scale)
-    variants = {  # name: (share_prefill, prompt_once)
-        "share_prefill=False": (False, False),
-        "share_prefill=True, prompt copied": (True, False),
-        "share_prefill=True, prompt once": (True, True),
+    variants = {  # name: (share_prefill, prompt_once, pack_weights)
+        "share_prefill=False": (False, False, False),
+        "share_prefill=True, prompt copied": (True, False, False),
+        "share_prefill=True, prompt once": (True, True, False),
+        "prompt once, weights packed": (True, True, True),
     }
     gens = {
         name: HFGenerator(
-            model, tok, share_prefill=share, autocast_dtype=torch.bfloat16, prompt_once=once
+            model,
+            tok,
+            share_prefill=share,
+            autocast_dtype=torch.bfloat16,
+            prompt_once=once,
+            pack_weights=pack,
         )
-        for name, (share, once) in variants.items()
+        for name, (share, once, pack) in variants.items()
     }
     outs: dict[str, list] = {}
 

@@ -44,6 +44,7 @@ distribution we do not record.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from typing import Any
@@ -55,6 +56,8 @@ from transformers.cache_utils import DynamicLayer
 from atgrpo.attention import ATTENTION, float32_attention
 from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.generation.cache import growing
+from atgrpo.generation.packed import PackedLinears
+from atgrpo.generation.packed import supported as packed_supported
 from atgrpo.generation.prefix_cache import shared_prefix
 from atgrpo.models import autocast_for
 
@@ -259,6 +262,8 @@ class HFGenerator:
     prefills every row. ``prompt_once``: then also hold each prompt's keys and values once while
     decoding, where :func:`reads_prompt_once` allows (:mod:`atgrpo.generation.prefix_cache`);
     False copies them to every row (the same attention; for measuring the two).
+    ``pack_weights``: run the linear layers on weights packed once for oneDNN, on CPU under
+    bf16 autocast (:mod:`atgrpo.generation.packed`; the same logits); False: autocast's calls.
     """
 
     def __init__(
@@ -270,9 +275,13 @@ class HFGenerator:
         autocast_dtype: torch.dtype | None = None,
         max_batch_size: int | None = None,
         prompt_once: bool = True,
+        pack_weights: bool = True,
     ) -> None:
         self.model = model
         self.prompt_once = prompt_once
+        self.packed = (
+            PackedLinears() if pack_weights and packed_supported(model, autocast_dtype) else None
+        )
         self.tokenizer = tokenizer
         self.share_prefill = share_prefill
         self.autocast_dtype = autocast_dtype
@@ -351,7 +360,8 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast_for(self.model, self.autocast_dtype):
+            packing = self.packed.active(self.model) if self.packed else contextlib.nullcontext()
+            with autocast_for(self.model, self.autocast_dtype), packing:
                 extra: dict[str, Any] = {}
                 if self.share_prefill and input_ids.shape[1] > 1:  # width 1: nothing to share
                     name = cache_kwarg(unwrapped(self.model).forward)

@@ -1,0 +1,87 @@
+"""Linear layers on weights packed once for oneDNN while generating (atgrpo.generation.packed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atgrpo.generation import HFGenerator, SamplingParams
+from atgrpo.generation.packed import PackedLinears, supported
+from atgrpo.models import build_tiny_model
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def tiny() -> tuple[object, object]:
+    model, tok = build_tiny_model(seed=0)
+    tok.padding_side = "left"
+    if not supported(model, BF16):
+        pytest.skip("this CPU's oneDNN has no bf16")
+    return model, tok
+
+
+def _generate(gen: HFGenerator, tok) -> list:
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ["a prompt", "xy"]] * 3
+    torch.manual_seed(0)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=0, top_p=1.0)
+    return gen.generate(prompts, params)
+
+
+def _same(a: list, b: list) -> bool:
+    return all(
+        x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_the_same_tokens_and_logprobs_as_autocast(tiny) -> None:
+    model, tok = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
+    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    assert packed.packed is not None and plain.packed is None
+    assert _same(_generate(packed, tok), _generate(plain, tok))
+    assert all("forward" not in vars(m) for m in model.modules())  # the layers are restored
+
+
+def test_a_changed_weight_is_packed_again(tiny) -> None:
+    model, tok = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
+    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    before = _generate(packed, tok)
+    with torch.no_grad():  # an optimizer step: in place, the same tensors
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    after = _generate(packed, tok)
+    assert _same(after, _generate(plain, tok))
+    assert not _same(after, before)
+
+
+def test_packing_applies_to_bf16_autocast_on_cpu_only(tiny) -> None:
+    model, _ = tiny
+    assert not supported(model, None)
+    assert not supported(model.to(BF16), BF16)  # bf16 weights: no autocast cast to save
+
+
+def test_each_weight_is_packed_once_while_unchanged(tiny, monkeypatch) -> None:
+    model, _ = tiny
+    calls = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_reorder_linear_weight", lambda *a: calls.append(1) or reorder(*a)
+    )
+    linears = PackedLinears()
+    for _ in range(2):
+        with linears.active(model):
+            pass
+    assert len(calls) == sum(type(m) is torch.nn.Linear for m in model.modules())
+
+
+def test_lora_adapters_give_the_same_tokens(tiny) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tiny
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = get_peft_model(model, config)  # random A and B: the adapters change the logits
+    packed = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=BF16)
+    plain = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    assert _same(_generate(packed, tok), _generate(plain, tok))
