@@ -12,8 +12,9 @@ until its parameter changes (an optimizer step or a weight load bumps the tensor
 it is packed once per rollout, not per call.
 
 Measured on workload (a)'s generation (32 rows, 48 new tokens; 2 AMD EPYC cores, 5 alternating
-rounds): 9-15 % faster in every round, median 2.94 against 3.42 s. Used on CPU under bf16 autocast where oneDNN supports bf16
-(``torch.ops.mkldnn._is_mkldnn_bf16_supported``); elsewhere the layers run as they are.
+rounds): 9-15 % faster in every round, median 2.94 against 3.42 s. Used on CPU under bf16
+autocast where oneDNN supports bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported``); elsewhere
+the layers run as they are.
 """
 
 from __future__ import annotations
