@@ -28,11 +28,11 @@ def tiny() -> tuple[object, object]:
     return model, tok
 
 
-def _grouped(tok) -> list[list[int]]:
-    # 3 prompts of different lengths (left padding in the prefix), in an interleaved order,
-    # with unequal numbers of rows (3, 2, 1): the slots grid is padded.
+def _grouped(tok, in_order: bool) -> list[list[int]]:
+    # 3 prompts of different lengths (left padding in the prefix): interleaved, with unequal
+    # numbers of rows (3, 2, 1: the slots grid is padded), or the rollout's order (K rows each).
     a, b, c = (tok(t, add_special_tokens=False)["input_ids"] for t in ["a longer one", "hi", "x y"])
-    return [a, b, a, c, b, a]
+    return [a, a, b, b, c, c] if in_order else [a, b, a, c, b, a]
 
 
 def _generate(model, tok, prompts, shared: bool, monkeypatch, **kw):
@@ -51,10 +51,13 @@ def _generate(model, tok, prompts, shared: bool, monkeypatch, **kw):
     return HFGenerator(model, tok, share_prefill=True).generate(prompts, params), layers
 
 
+@pytest.mark.parametrize("in_order", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, None])
-def test_same_tokens_and_logprobs_as_the_copied_prompt(tiny, monkeypatch, temperature) -> None:
+def test_same_tokens_and_logprobs_as_the_copied_prompt(
+    tiny, monkeypatch, temperature, in_order
+) -> None:
     model, tok = tiny
-    prompts = _grouped(tok)
+    prompts = _grouped(tok, in_order)
     kw = {"temperature": temperature, **OFF}
     once, kinds = _generate(model, tok, prompts, True, monkeypatch, **kw)
     assert kinds == [SharedPrefixLayer]  # the path under test ran
@@ -77,24 +80,33 @@ def test_it_is_chosen_for_float32_attention_on_cpu(tiny, monkeypatch) -> None:
     assert not hf.reads_prompt_once(plain, None, DynamicCache(config=plain.config))
 
 
-def test_attention_by_hand_against_the_copied_keys() -> None:
+@pytest.mark.parametrize(
+    ("order", "in_order"),
+    [
+        ([1, 0, 1, 1, 2], False),
+        ([0, 0, 1, 1, 2, 2], True),
+    ],  # unequal and interleaved; the rollout's
+)
+def test_attention_by_hand_against_the_copied_keys(order: list[int], in_order: bool) -> None:
     g = torch.Generator().manual_seed(0)
-    rows = torch.tensor([1, 0, 1, 1, 2])  # 3 prompts, unequal row counts
+    rows = torch.tensor(order)
+    n = len(order)
     prompt_k, prompt_v = (torch.randn(3, 2, 6, 8, generator=g) for _ in range(2))
     cache = DynamicCache()
     cache.update(prompt_k, prompt_v, 0)
     layer = shared_prefix(cache, rows).layers[0]
-    new_k, new_v = (torch.randn(5, 2, 4, 8, generator=g) for _ in range(2))
+    assert layer.in_order is in_order
+    new_k, new_v = (torch.randn(n, 2, 4, 8, generator=g) for _ in range(2))
     keys, values = layer.update(new_k, new_v)
     assert layer.get_seq_length() == 10
-    query = torch.randn(5, 6, 1, 8, generator=g)  # 3 query heads per key / value head
-    mask = torch.rand(5, 1, 1, 10, generator=g) > 0.3
+    query = torch.randn(n, 6, 1, 8, generator=g)  # 3 query heads per key / value head
+    mask = torch.rand(n, 1, 1, 10, generator=g) > 0.3
     mask[..., -1] = True  # the current token is always seen
-    got = prefix_attention(layer, query, keys, values, mask, 0.3)  # (5, 1, 6, 8)
-    full_k = torch.cat([prompt_k[rows], new_k], -2).repeat_interleave(3, dim=1)  # (5, 6, 10, 8)
+    got = prefix_attention(layer, query, keys, values, mask, 0.3)  # (n, 1, 6, 8)
+    full_k = torch.cat([prompt_k[rows], new_k], -2).repeat_interleave(3, dim=1)  # (n, 6, 10, 8)
     full_v = torch.cat([prompt_v[rows], new_v], -2).repeat_interleave(3, dim=1)
     scores = (query @ full_k.mT * 0.3).masked_fill(~mask, -torch.inf)
-    want = (scores.softmax(-1) @ full_v).transpose(1, 2)  # (5, 1, 6, 8)
+    want = (scores.softmax(-1) @ full_v).transpose(1, 2)  # (n, 1, 6, 8)
     assert torch.allclose(got, want, atol=1e-6)
 
 

@@ -44,6 +44,10 @@ class SharedPrefixLayer(DynamicLayer):
         self.prompt_keys = keys.float()  # (D, Hkv, P, d)
         self.prompt_values = values.float()  # (D, Hkv, P, d)
         self.slots, self.back = _slots(rows)
+        # The rollout's order (each prompt's rows together, as many for each): no gathers.
+        self.in_order = self.slots.numel() == len(rows) and bool(
+            torch.equal(self.back, torch.arange(len(rows), device=rows.device))
+        )
         self.decoded = GrowingLayer()
         self.device, self.is_initialized = keys.device, True
 
@@ -130,10 +134,12 @@ def _per_prompt(layer: SharedPrefixLayer, x: torch.Tensor, y: torch.Tensor) -> t
     x (N, Hkv, G, a), y (D, Hkv, a, b) -> (N, Hkv, G, b)."""
     prompts, width = layer.slots.shape
     _, kv_heads, groups, a = x.shape
-    grid = x[layer.slots].transpose(1, 2).reshape(prompts, kv_heads, width * groups, a)
+    rows = x.reshape(prompts, width, kv_heads, groups, a) if layer.in_order else x[layer.slots]
+    grid = rows.transpose(1, 2).reshape(prompts, kv_heads, width * groups, a)
     out = grid @ y  # (D, Hkv, K * G, b)
     out = out.reshape(prompts, kv_heads, width, groups, -1).transpose(1, 2)  # (D, K, Hkv, G, b)
-    return out.reshape(prompts * width, kv_heads, groups, -1)[layer.back]
+    out = out.reshape(prompts * width, kv_heads, groups, -1)
+    return out if layer.in_order else out[layer.back]
 
 
 def shared_prefix(cache: Any, rows: torch.Tensor) -> Any:
