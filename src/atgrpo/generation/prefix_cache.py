@@ -39,15 +39,16 @@ class SharedPrefixLayer(DynamicLayer):
     (N rows); ``rows[i]`` is row i's prompt. ``update`` returns the decoded part only, marked so
     that atgrpo's attention reads the prompt part from here (module docstring)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor) -> None:
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layout: tuple[torch.Tensor, torch.Tensor, bool],
+    ) -> None:
         super().__init__()
         self.prompt_keys = keys.float()  # (D, Hkv, P, d)
         self.prompt_values = values.float()  # (D, Hkv, P, d)
-        self.slots, self.back = _slots(rows)
-        # The rollout's order (each prompt's rows together, as many for each): no gathers.
-        self.in_order = self.slots.numel() == len(rows) and bool(
-            torch.equal(self.back, torch.arange(len(rows), device=rows.device))
-        )
+        self.slots, self.back, self.in_order = layout  # _layout(rows), shared by the layers
         self.decoded = GrowingLayer()
         self.device, self.is_initialized = keys.device, True
 
@@ -82,6 +83,14 @@ class SharedPrefixLayer(DynamicLayer):
 
 
 _REFUSED = "a shared-prompt cache cannot change its rows; set rollout.share_prefill=false"
+
+
+def _layout(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """:func:`_slots`, and whether the rows are in the rollout's order (each prompt's rows
+    together, as many for each), where attention needs no gathers."""
+    slots, back = _slots(rows)
+    arange = torch.arange(len(rows), device=rows.device)
+    return slots, back, slots.numel() == len(rows) and bool(torch.equal(back, arange))
 
 
 def _slots(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,5 +154,6 @@ def _per_prompt(layer: SharedPrefixLayer, x: torch.Tensor, y: torch.Tensor) -> t
 def shared_prefix(cache: Any, rows: torch.Tensor) -> Any:
     """``cache`` (D rows: the distinct prompts) with every layer a :class:`SharedPrefixLayer` for
     the N rows ``rows`` (each row's prompt)."""
-    cache.layers = [SharedPrefixLayer(x.keys, x.values, rows) for x in cache.layers]
+    layout = _layout(rows)  # once: every layer has the same rows
+    cache.layers = [SharedPrefixLayer(x.keys, x.values, layout) for x in cache.layers]
     return cache
