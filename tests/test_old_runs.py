@@ -69,7 +69,7 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused(
 ) -> None:
     import torch
 
-    from atgrpo.checkpoint.steps import _write_manifest
+    from atgrpo.checkpoint.steps import write_manifest
     from atgrpo.cli import main
 
     cfg = _copy(tmp_path)
@@ -78,7 +78,7 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused(
     optim = folder / "policy-tool" / "optim.pt"
     torch.save({"optimizer": _RunsCode(marker), "scheduler": {}}, optim)
     (folder / "manifest.json").unlink()
-    _write_manifest(folder)  # as its author would: the manifest matches the files
+    write_manifest(folder)  # as its author would: the manifest matches the files
     common = [f"run.output_dir={tmp_path}", "run.name=old-layout", "rollout.max_new_tokens=8"]
     config = str(REPO / "configs" / "tiny-lora.yaml")
     assert main(["train", config, *common, "train.steps=2", "--resume"]) == 2
@@ -89,6 +89,6 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused(
     rng = folder / "rng.pt"  # the RNG state too
     torch.save({"python": _RunsCode(marker)}, rng)
     (folder / "manifest.json").unlink()
-    _write_manifest(folder)
+    write_manifest(folder)
     assert main(["train", config, *common, "train.steps=2", "--resume"]) == 2
     assert str(rng) in capsys.readouterr().err and not marker.exists()

@@ -84,6 +84,6 @@ def test_a_readme_command_runs(
         name = re.search(r"run\.name=([\w.-]+)", command)
         assert name, command
         _train_one_step(command.split()[2], [name.group(1)], runs)
-    elif command.split()[1] in ("report", "groups"):  # runs to read: train them first
+    elif command.split()[1] in ("report", "groups", "slim"):  # runs to read: train them first
         _train_one_step("configs/tiny.yaml", re.findall(r"runs/([\w.-]+)", command), runs)
     assert main(_argv(command, runs)) == 0, command

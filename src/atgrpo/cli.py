@@ -486,6 +486,19 @@ def cmd_groups(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_slim(args: argparse.Namespace) -> int:
+    import torch
+
+    from atgrpo.checkpoint import resolve_checkpoint
+    from atgrpo.checkpoint.slim import slim_checkpoint
+
+    for path in args.paths:
+        folder = resolve_checkpoint(path)
+        freed = slim_checkpoint(folder, getattr(torch, args.dtype), unfinished=args.unfinished)
+        print(f"{folder}: weights alone ({args.dtype}), {freed / 2**30:.2f} GiB freed")
+    return 0
+
+
 def _step_range(text: str | None) -> tuple[int | None, int | None]:
     if text is None:
         return None, None
@@ -519,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_env(sub)
     _add_tool_use(sub)
     _add_groups(sub)
+    _add_slim(sub)
     return parser
 
 
@@ -681,6 +695,34 @@ def _add_groups(sub: _Commands) -> None:
     )
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     p.set_defaults(func=cmd_groups)
+
+
+def _add_slim(sub: _Commands) -> None:
+    p = sub.add_parser(
+        "slim",
+        help="reduce finished runs' last checkpoints to their weights (drops optimizer state)",
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="RUN",
+        help="run folders (their latest checkpoint) or "
+        "checkpoint folders, e.g. runs/demo-.../checkpoints/step-000030",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the weights' dtype (default: float32, the trained weights as they are, so an "
+        "evaluation gives the same figures; bfloat16 halves them, as checkpoint.final: weights "
+        "under bf16 autocast)",
+    )
+    p.add_argument(
+        "--unfinished",
+        action="store_true",
+        help="also slim a checkpoint short of its run's last step (the run cannot resume then)",
+    )
+    p.set_defaults(func=cmd_slim)
 
 
 def _add_check_env(sub: _Commands) -> None:

@@ -85,37 +85,48 @@ def _unwrapped_class(model: Any) -> type:
 def keep_weights_only(folder: Path, dtype: torch.dtype) -> None:
     """Turn a saved ``policy-<id>/`` into what serving needs: drop the optimizer, schedule and
     shards; cast a whole model's floating-point weights to ``dtype`` (its config.json says so,
-    so transformers and vLLM load it in that dtype). An adapter keeps its fp32 weights (small)."""
+    so transformers and vLLM load it in that dtype). An adapter keeps its fp32 weights (small).
+    Every file it changes is written anew and renamed into place, never rewritten in place (a
+    hard link to it elsewhere keeps the old content: :mod:`atgrpo.checkpoint.slim`)."""
     for name in (OPTIM_FILE, SCHEDULER_FILE):
         (folder / name).unlink(missing_ok=True)
     shutil.rmtree(folder / SHARDED_DIR, ignore_errors=True)
     config = folder / "config.json"
     if not config.is_file():
         return  # a LoRA adapter
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    total = 0
-    for weights in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(weights), framework="pt") as f:
-            metadata = f.metadata() or {"format": "pt"}
-        tensors = {
-            k: v.to(dtype) if v.is_floating_point() else v
-            for k, v in load_file(str(weights)).items()
-        }
-        total += sum(v.numel() * v.element_size() for v in tensors.values())
-        tmp = weights.with_name(weights.name + ".tmp")  # the loaded tensors may map the file
-        save_file(tensors, str(tmp), metadata=metadata)
-        tmp.replace(weights)
+    total = sum(_cast_weights(weights, dtype) for weights in sorted(folder.glob("*.safetensors")))
     index = folder / "model.safetensors.index.json"
     if index.is_file():  # several weight files: their index states the total size
         listed = json.loads(index.read_text(encoding="utf-8"))
         listed.setdefault("metadata", {})["total_size"] = total
-        index.write_text(json.dumps(listed, indent=2) + "\n", encoding="utf-8")
+        _replace_text(index, json.dumps(listed, indent=2) + "\n")
     settings = json.loads(config.read_text(encoding="utf-8"))
     name = str(dtype).removeprefix("torch.")
     settings["dtype" if "torch_dtype" not in settings else "torch_dtype"] = name
-    config.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _replace_text(config, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def _cast_weights(weights: Path, dtype: torch.dtype) -> int:
+    """Cast one safetensors file's floating-point tensors to ``dtype`` (left as it is when they
+    are already); returns its tensors' bytes."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(weights), framework="pt") as f:
+        metadata = f.metadata() or {"format": "pt"}
+    loaded = load_file(str(weights))
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in loaded.items()}
+    if any(tensors[k].dtype != v.dtype for k, v in loaded.items()):
+        tmp = weights.with_name(weights.name + ".tmp")  # the loaded tensors may map the file
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(weights)
+    return sum(v.numel() * v.element_size() for v in tensors.values())
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
 
 
 def weights_only_saver(save: PolicySaver, dtype: torch.dtype) -> PolicySaver:

@@ -212,7 +212,7 @@ def _write_into(
     if weights_only is not None:
         trainer_state[WEIGHTS_ONLY] = weights_only
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-    _write_manifest(tmp)
+    write_manifest(tmp)
 
 
 def commit_checkpoint(run_dir: Path, folder: Path, keep: int) -> None:
@@ -222,7 +222,7 @@ def commit_checkpoint(run_dir: Path, folder: Path, keep: int) -> None:
     _prune(root, keep)
 
 
-def _write_manifest(folder: Path) -> None:
+def write_manifest(folder: Path) -> None:
     """Flush every file of ``folder`` to disk and record its size and SHA-256."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
