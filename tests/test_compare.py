@@ -21,6 +21,7 @@ from atgrpo.experiments.compare import (
     markdown_table,
     run_comparison,
     table_rows,
+    training_seconds,
     write_tables,
 )
 from atgrpo.training.evaluation import EvalReport, TaskResult
@@ -107,6 +108,27 @@ def test_csv_has_pass_at_k_columns_when_sampled(tmp_path: Path) -> None:
     rows = list(csv.DictReader(csv_path.open()))
     assert rows[1]["pass@1"] == "25.00" and rows[1]["pass@4"] == "50.00"
     assert "avg@4 (sampled)" in (tmp_path / "table.md").read_text()
+
+
+def test_training_time_sums_each_kept_step_once(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    final = run / "checkpoints" / "step-000003"
+    final.mkdir(parents=True)
+    records = [
+        {"step": 1, "perf/step_s": 10.0},
+        {"step": 2, "perf/step_s": 99.0},  # lost: the run was killed, resumed from step 1
+        {"step": 2, "perf/step_s": 20.0},
+        {"event": "resume"},
+        {"step": 3, "perf/step_s": 30.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert training_seconds(str(final)) == 60.0
+    assert training_seconds("") is None  # an untrained row
+    assert training_seconds(str(tmp_path / "elsewhere" / "checkpoints" / "step-1")) is None
+    cell = TableCell("A", "P", [_report(0.5)], [str(final)], "c.yaml")
+    assert cell.training_seconds() == [60.0]
+    md = markdown_table([cell])
+    assert "| A | P | 1.0 [1.0, 1.0] |" in md
 
 
 def test_a_benchmark_env_replaces_the_env_but_not_the_methods_workflow() -> None:
@@ -272,6 +294,10 @@ def test_compare_train_trains_resumes_and_caches(
     assert sorted(set(steps)) == [1, 2]
     rows = list(csv.DictReader((tmp_path / "grid" / "table.csv").open()))
     assert [r["seeds"] for r in rows] == ["0", "0 1", "0 1"]
+    times = [r["train_s_per_seed"].split() for r in rows]
+    assert times[0] == [] and len(times[1]) == 2 and all(float(t) > 0 for t in times[1])
+    md = (tmp_path / "grid" / "table.md").read_text()
+    assert "| MAS + AT-GRPO | Plan-Path 4x4 | " in md and "training time per run, min" in md
     assert "learning curves:" in out
     png = (tmp_path / "grid" / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG")

@@ -46,6 +46,7 @@ from atgrpo.config import Config, ConfigError, config_from_raw, dump_config, rea
 from atgrpo.envs import Split
 from atgrpo.experiments.intervals import Interval, difference_interval, success_interval
 from atgrpo.training.evaluation import EvalReport, report_from_record, write_eval_json
+from atgrpo.training.metrics import read_metrics
 
 
 class _Strict(BaseModel):
@@ -193,6 +194,24 @@ class TableCell:
 
     def interval(self) -> Interval:
         return success_interval(self.solved(), self.report.samples_per_task)
+
+    def training_seconds(self) -> list[float]:
+        """Each seed's training time (:func:`training_seconds`); empty for an untrained row."""
+        return [t for c in self.checkpoints if (t := training_seconds(c)) is not None]
+
+
+def training_seconds(checkpoint: str) -> float | None:
+    """The training time of the run a checkpoint belongs to: the sum of the step times of the
+    steps it kept (``perf/step_s``, the last record of each step in its metrics.jsonl: a step
+    redone after a resume counts once). None without a checkpoint or metrics.jsonl."""
+    if not checkpoint:
+        return None
+    path = Path(checkpoint).parent.parent / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    records = read_metrics(path)
+    steps = {r.get("step"): float(r["perf/step_s"]) for r in records if "perf/step_s" in r}
+    return sum(steps.values()) if steps else None
 
 
 def slug(text: str) -> str:
@@ -417,10 +436,36 @@ def markdown_table(cells: list[TableCell]) -> str:
         "row named after 'vs') in points with its 95 % interval (paired over tasks). An "
         "interval that contains 0 does not show a difference.",
     ]
+    lines += _time_lines(cells)
     # A benchmark with fewer distinct tasks than asked for says so (same tasks in every row).
     notes = dict.fromkeys(f"{c.benchmark}: {c.report.note}" for c in cells if c.report.note)
     lines += [f"\n{note}" for note in notes]
     return "\n".join(lines) + "\n"
+
+
+def _time_lines(cells: list[TableCell]) -> list[str]:
+    """A second table: each trained row's training time per run, median and range over seeds."""
+    timed = [(c, sorted(c.training_seconds())) for c in cells]
+    timed = [(c, t) for c, t in timed if t]
+    if not timed:
+        return []
+    lines = [
+        "",
+        "| Method | benchmark | training time per run, min: median [fastest, slowest] |",
+        "|---|---|---|",
+    ]
+    for cell, seconds in timed:
+        median = float(np.median(seconds)) / 60
+        lines.append(
+            f"| {cell.method} | {cell.benchmark} | {median:.1f} "
+            f"[{seconds[0] / 60:.1f}, {seconds[-1] / 60:.1f}] |"
+        )
+    lines += [
+        "",
+        "Training time: the sum of a run's step times (metrics.jsonl's perf/step_s; evaluation "
+        "and checkpoint writing between steps left out), wall time on the machine it ran on.",
+    ]
+    return lines
 
 
 CSV_COLUMNS = (
@@ -447,7 +492,8 @@ def write_csv(cells: list[TableCell], path: Path) -> None:
     methods, _, grid = _grid(cells)
     with path.open("w", newline="", encoding="utf-8") as f:
         out = csv.writer(f)
-        out.writerow([*CSV_COLUMNS, *(f"pass@{k}" for k in ks), "config", "checkpoints"])
+        header = [*CSV_COLUMNS, *(f"pass@{k}" for k in ks), "train_s_per_seed"]
+        out.writerow([*header, "config", "checkpoints"])
         for c in cells:
             versus = _baseline(c, methods)
             iv, d = c.interval(), _delta(c, grid[(versus, c.benchmark)])
@@ -464,6 +510,7 @@ def write_csv(cells: list[TableCell], path: Path) -> None:
                     versus,
                     " ".join(f"{100 * r.success_rate:.2f}" for r in c.reports),
                     *(_mean_pass_at(c, k) for k in ks),
+                    " ".join(f"{t:.0f}" for t in c.training_seconds()),
                     c.config,
                     " ".join(c.checkpoints),
                 ]
