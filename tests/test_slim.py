@@ -123,3 +123,21 @@ def test_a_damaged_or_slim_checkpoint_is_refused(
     assert main(["slim", str(earlier), "--unfinished"]) == 2
     assert "damaged" in capsys.readouterr().err
     assert (earlier / "policy-shared" / ckpt.OPTIM_FILE).exists()
+
+
+def test_slim_keeps_lora_adapters_whole(tmp_path: Path) -> None:
+    lora = str(REPO / "configs" / "tiny-lora.yaml")
+    run = train(load_config(lora, [f"run.output_dir={tmp_path}", "run.name=lora"])).run_dir
+    final = ckpt.latest_checkpoint(run)
+    assert final is not None
+    folders = sorted(final.glob("policy-*"))
+    assert folders and all((f / ckpt.OPTIM_FILE).exists() for f in folders)
+    adapters = {
+        f: sorted(p.name for p in f.iterdir() if p.name != ckpt.OPTIM_FILE) for f in folders
+    }
+    slim_checkpoint(final, torch.bfloat16)
+    assert ckpt.checkpoint_problem(final) is None
+    for folder, names in adapters.items():
+        assert sorted(p.name for p in folder.iterdir()) == names  # all but the optimizer state
+    args = [lora, f"run.output_dir={tmp_path}", "run.name=lora", "--checkpoint", str(run)]
+    assert main(["eval", *args, "--num-tasks", "2"]) == 0
