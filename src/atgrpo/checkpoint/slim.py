@@ -8,6 +8,10 @@ finished runs stops filling the disk. Files written into the folder after traini
 evaluation's ``eval-*.json``) stay, outside the manifest as before. The run can no longer be
 resumed from that step (:func:`~atgrpo.checkpoint.steps.resume_checkpoint` says so), so a
 checkpoint short of the run's last step is refused unless asked for.
+
+The new folder is built beside the old one from hard links (the old files are never written
+through them), then the two are swapped by two renames; a process killed between them leaves
+the old checkpoint whole as ``.step-N-full`` beside the missing ``step-N``.
 """
 
 from __future__ import annotations
