@@ -8,6 +8,7 @@ import torch
 from atgrpo.generation import HFGenerator, SamplingParams
 from atgrpo.generation.packed import PackedLinears, supported
 from atgrpo.models import build_tiny_model
+from conftest import REPO
 
 BF16 = torch.bfloat16
 
@@ -56,6 +57,35 @@ def test_a_changed_weight_is_packed_again(tiny) -> None:
     assert not _same(after, before)
 
 
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for_loop"])
+def test_an_optimizer_step_is_seen_whatever_the_adamw(tiny, impl: str) -> None:
+    """torch's fused AdamW updates the weights in place without bumping their version counter:
+    a packed weight must still be packed again (it once was not, and every rollout after the
+    first sampled from the weights of the first)."""
+    model, tok = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
+    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    before = _generate(packed, tok)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=0.05, fused=impl == "fused", foreach=impl == "foreach"
+    )
+    ids = torch.tensor([tok("a prompt xy", add_special_tokens=False)["input_ids"]])
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    after = _generate(packed, tok)  # no sync_weights: the generator sees the change itself
+    assert _same(after, _generate(plain, tok))
+    assert not _same(after, before)
+
+
+def test_sync_weights_drops_every_packed_weight(tiny) -> None:
+    model, tok = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
+    _generate(packed, tok)
+    assert packed.packed is not None and len(packed.packed) > 0
+    packed.sync_weights()
+    assert len(packed.packed) == 0
+
+
 def test_packing_applies_to_bf16_autocast_on_cpu_only(tiny) -> None:
     model, _ = tiny
     assert not supported(model, None)
@@ -85,3 +115,18 @@ def test_lora_adapters_give_the_same_tokens(tiny) -> None:
     packed = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=BF16)
     plain = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
     assert _same(_generate(packed, tok), _generate(plain, tok))
+
+
+def test_the_trainer_drops_packed_weights_after_every_update(tmp_path, monkeypatch) -> None:
+    from atgrpo.config import load_config
+    from atgrpo.models import build_tiny_model as tiny_model
+    from atgrpo.training.loop import train
+
+    if not supported(tiny_model(seed=0)[0], BF16):
+        pytest.skip("this CPU's oneDNN has no bf16")
+    cleared = []
+    monkeypatch.setattr(PackedLinears, "clear", lambda self: cleared.append(self))
+    overrides = [f"run.output_dir={tmp_path}", "run.name=p", "model.precision=bf16_autocast"]
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [*overrides, "train.steps=2"])
+    train(cfg)
+    assert len(cleared) == 2  # one update per step, one policy

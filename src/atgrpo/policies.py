@@ -94,7 +94,8 @@ class PolicyGenerator:
         return self.engine.generate(prompts, params)
 
     def sync_weights(self) -> None:
-        """Nothing to do: the HF engine samples from the training model itself."""
+        """The HF engine samples from the training model itself: only its packed weights go."""
+        self.engine.sync_weights()
 
 
 def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, Generator]:

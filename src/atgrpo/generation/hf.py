@@ -294,7 +294,10 @@ class HFGenerator:
             check_shareable(model)
 
     def sync_weights(self) -> None:
-        """Nothing to do: generation runs on the training model itself."""
+        """Generation runs on the training model itself; only the packed copies of its weights
+        (``pack_weights``) are dropped, to be packed again from the new ones."""
+        if self.packed is not None:
+            self.packed.clear()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         sampler_args = None
@@ -360,7 +363,8 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            packing = self.packed.active(self.model) if self.packed else contextlib.nullcontext()
+            packed = self.packed
+            packing = packed.active(self.model) if packed is not None else contextlib.nullcontext()
             with autocast_for(self.model, self.autocast_dtype), packing:
                 extra: dict[str, Any] = {}
                 if self.share_prefill and input_ids.shape[1] > 1:  # width 1: nothing to share
