@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -130,3 +132,24 @@ def test_the_trainer_drops_packed_weights_after_every_update(tmp_path, monkeypat
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [*overrides, "train.steps=2"])
     train(cfg)
     assert len(cleared) == 2  # one update per step, one policy
+
+
+def test_a_rollout_drift_is_one_warning_per_policy() -> None:
+    from types import SimpleNamespace
+
+    from atgrpo.algo.update import UpdateStats
+    from atgrpo.training.loop import RolloutDriftWarning, warn_rollout_drift
+
+    def _stats(kl: float) -> UpdateStats:
+        return UpdateStats(False, "", 4, 40, rollout_kl=kl)
+
+    rt = SimpleNamespace(drift_warned=set())
+    healthy = {"a": _stats(0.004), "b": _stats(0.09)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_rollout_drift(rt, healthy)  # type: ignore[arg-type]
+    stale = {"a": _stats(0.16), "b": _stats(0.01)}
+    with pytest.warns(RolloutDriftWarning, match=r"policy a: .* KL 0\.160 a token") as caught:
+        warn_rollout_drift(rt, stale)  # type: ignore[arg-type]
+        warn_rollout_drift(rt, stale)  # type: ignore[arg-type]  # once per policy
+    assert len(caught) == 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -120,6 +121,30 @@ def sync_engines(rt: Runtime, updates: dict[str, UpdateStats]) -> None:
             rt.generators[pid].sync_weights()
 
 
+ROLLOUT_DRIFT_KL = 0.1  # nats a token; kernels and bf16 rounding give under 0.01 (docs/faults.md)
+
+
+class RolloutDriftWarning(UserWarning):
+    """The log-probs recorded while sampling and the trainer's for the same tokens differ by
+    more than rounding: the rollout engine is not sampling from the weights being trained."""
+
+
+def warn_rollout_drift(rt: Runtime, updates: dict[str, UpdateStats]) -> None:
+    """Once per policy: a step whose KL(rollout || trainer) passed ``ROLLOUT_DRIFT_KL``."""
+    for pid, stats in updates.items():
+        if pid in rt.drift_warned or not stats.rollout_kl > ROLLOUT_DRIFT_KL:
+            continue
+        rt.drift_warned.add(pid)
+        warnings.warn(
+            f"policy {pid}: the rollout's log-probs and the trainer's differ by KL "
+            f"{stats.rollout_kl:.3f} a token (rounding gives under 0.01): the rollout engine "
+            "seems to sample from other weights than the ones being trained; check the engine's "
+            "weight sync (loss/rollout_kl in metrics.jsonl)",
+            RolloutDriftWarning,
+            stacklevel=2,
+        )
+
+
 Callback = Callable[[int, dict[str, float]], None]
 
 
@@ -187,6 +212,7 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
             updates = update_policies(rt, batch.samples)
             with stages.time("sync"):
                 sync_engines(rt, updates)
+            warn_rollout_drift(rt, updates)
         _log_samples(cfg, step, rollout, keys)
         metrics = rollout_metrics(rollout)
         metrics.update(batch.advantages.metrics())

@@ -91,6 +91,7 @@ class Runtime:
     encode: dict[str, PromptEncoder]  # per policy id (L3 policies may have other tokenizers)
     stepper: EnvStepper  # env steps: this process's thread pool or Ray env workers
     on_close: list[Callable[[], None]] = field(default_factory=list)  # thread pool, Ray actors
+    drift_warned: set[str] = field(default_factory=set)  # policies already warned of (loop.py)
 
     def close(self) -> None:
         close_all(self.on_close)
