@@ -7,7 +7,8 @@ weights in the dtype asked for; a new manifest) and swaps it in for the old one,
 finished runs stops filling the disk. Files written into the folder after training (an
 evaluation's ``eval-*.json``) stay, outside the manifest as before. The run can no longer be
 resumed from that step (:func:`~atgrpo.checkpoint.steps.resume_checkpoint` says so), so a
-checkpoint short of the run's last step is refused unless asked for.
+checkpoint short of the run's last step (its trainer_state.json's config) is refused unless
+asked for.
 
 The new folder is built beside the old one from hard links (the old files are never written
 through them), then the two are swapped by two renames; a process killed between them leaves
@@ -23,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 from atgrpo.checkpoint.policy_dir import keep_weights_only
 from atgrpo.checkpoint.steps import (
@@ -41,7 +41,7 @@ def slim_checkpoint(folder: Path, dtype: torch.dtype, *, unfinished: bool = Fals
     """Make ``folder`` a weights-only checkpoint in ``dtype``; returns the bytes freed.
 
     Raises :class:`CheckpointError` when it is damaged, already weights-only, or (without
-    ``unfinished``) short of the last step of the run whose ``config.yaml`` lies beside it.
+    ``unfinished``) short of its run's last step.
     """
     if problem := checkpoint_problem(folder):
         raise CheckpointError(f"checkpoint {folder} is damaged ({problem}): not slimmed")
@@ -71,14 +71,14 @@ def slim_checkpoint(folder: Path, dtype: torch.dtype, *, unfinished: bool = Fals
 
 
 def _check_finished(folder: Path) -> None:
-    step = int(load_trainer_state(folder)["step"])
-    config = folder.parent.parent / "config.yaml"
+    state = load_trainer_state(folder)  # holds the run's resolved config
+    step = int(state["step"])
     try:
-        steps = int(yaml.safe_load(config.read_text(encoding="utf-8"))["train"]["steps"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError) as exc:
+        steps = int(state["config"]["train"]["steps"])
+    except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(
-            f"cannot tell whether {folder} is its run's last step ({config}: {exc}); pass "
-            "--unfinished to slim it anyway"
+            f"cannot tell whether {folder} is its run's last step (its trainer_state.json has "
+            "no config: an older atgrpo); pass --unfinished to slim it anyway"
         ) from exc
     if step < steps:
         raise CheckpointError(
