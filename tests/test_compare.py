@@ -353,3 +353,51 @@ def test_a_sigterm_to_the_runner_reaches_the_training_run(
     with pytest.raises(RunFailedError, match="code 143"):
         train_run(comparison, RunStatus(spec, "missing", 0), tmp_path / "run.log")
     assert marker.is_file()
+
+
+def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With record_dir, a finished run leaves its record; on a machine without the run folders
+    --train trains nothing and the table (times, curves) comes from the records."""
+    import shutil
+
+    from atgrpo.cli import main
+
+    path = _grid_file(tmp_path, seeds=[0])
+    spec = yaml.safe_load(path.read_text())
+    spec["record_dir"] = str(tmp_path / "kept")
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["compare", str(path), "--train"]) == 0
+    table = (tmp_path / "grid" / "table.csv").read_text()
+    kept = tmp_path / "kept" / "runs" / "plan-path-4x4" / "mas-at-grpo" / "seed0"
+    record = json.loads((kept / "record.json").read_text())
+    assert record["steps"] == 2 and record["checkpoint"].endswith("step-000002")
+    curve = [json.loads(line) for line in (kept / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve] == [1, 2] and "rollout/success" in curve[0]
+    assert "reward/tool/mean" not in curve[0]  # only the rollout's, groups' and times
+    evals = sorted((tmp_path / "kept" / "evals").rglob("*.json"))
+    assert len(evals) == 3 and not list((tmp_path / "kept").rglob("*samples*"))
+    assert len(list((tmp_path / "grid" / "evals").rglob("*-samples.jsonl"))) == 3
+
+    assert main(["groups", str(kept)]) == 0  # the group statistics, from the record
+    shutil.rmtree(tmp_path / "grid")  # another machine: the records alone
+    capsys.readouterr()
+    assert main(["compare", str(path), "--status"]) == 0
+    assert capsys.readouterr().out.startswith("recorded    2/2  MAS + AT-GRPO")
+    assert main(["compare", str(path), "--train"]) == 0
+    out = capsys.readouterr().out
+    assert "runs: 1 planned, 1 were already finished" in out and "training:" not in out
+    assert (tmp_path / "grid" / "table.csv").read_text() == table
+    assert (tmp_path / "grid" / "curves.png").read_bytes().startswith(b"\x89PNG")
+
+    spec["methods"].append({**spec["methods"][2], "label": "new row"})
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["compare", str(path)]) == 2  # a new row needs the checkpoint itself
+    err = capsys.readouterr().err.strip()
+    assert "is not on this machine" in err and "delete its record" in err and "\n" not in err
+
+    spec["methods"][1]["overrides"].append("train.lr=2e-6")  # another config: train again
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["compare", str(path), "--status"]) == 0
+    assert capsys.readouterr().out.startswith("missing     0/2  MAS + AT-GRPO")

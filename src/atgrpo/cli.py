@@ -361,7 +361,7 @@ def _train_comparison(comparison: Any) -> None:
             console.print(f"  trained {name} in {what}")
 
     statuses = train_grid(comparison, on_status)
-    done = sum(st.state == "done" for st in statuses)
+    done = sum(st.finished for st in statuses)
     console.print(f"runs: {len(statuses)} planned, {done} were already finished")
 
 

@@ -33,7 +33,7 @@ import hashlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,14 @@ class Comparison(_Strict):
     )
     benchmarks: list[BenchmarkSpec] = Field(min_length=1, description="Columns.")
     methods: list[Method] = Field(min_length=1, description="Rows; the first is the baseline.")
+    record_dir: str | None = Field(
+        None,
+        description=(
+            "A folder kept in version control where each finished run leaves a record (its "
+            "evaluations, training time and curves), so a table can be finished on another "
+            "machine or in a later sitting whose run folders are gone; null: no records."
+        ),
+    )
 
     @model_validator(mode="after")
     def _checkpoints_cover_benchmarks(self) -> Comparison:
@@ -173,6 +181,7 @@ class TableCell:
     config: str
     seeds: list[int] = field(default_factory=lambda: [0])
     versus: str | None = None  # the row its difference is against; None: the first row
+    train_seconds: list[float] | None = None  # per seed; None: read beside the checkpoints
 
     @property
     def report(self) -> EvalReport:
@@ -197,6 +206,8 @@ class TableCell:
 
     def training_seconds(self) -> list[float]:
         """Each seed's training time (:func:`training_seconds`); empty for an untrained row."""
+        if self.train_seconds is not None:
+            return list(self.train_seconds)
         return [t for c in self.checkpoints if (t := training_seconds(c)) is not None]
 
 
@@ -293,9 +304,17 @@ class NotTrainedError(ConfigError):
     """A `train: true` method's run is missing or unfinished."""
 
 
-def cell_checkpoints(
-    comparison: Comparison, method: Method, bench: BenchmarkSpec
-) -> tuple[list[int], list[Path | None]]:
+@dataclass(frozen=True)
+class CellRuns:
+    """What a cell evaluates: one checkpoint per seed (None: the untrained model) and, for a
+    trained row, each run's training seconds (None: not known)."""
+
+    seeds: list[int]
+    checkpoints: list[Path | None]
+    train_seconds: list[float | None]
+
+
+def cell_checkpoints(comparison: Comparison, method: Method, bench: BenchmarkSpec) -> CellRuns:
     """The seeds and checkpoints a cell evaluates: the method's own, or its trained runs."""
     trainer = method
     if method.runs_of is not None:
@@ -303,18 +322,33 @@ def cell_checkpoints(
     if not trainer.train:
         source = method.checkpoint
         folder = source.get(bench.name) if isinstance(source, dict) else source
-        return [comparison.seed], [ckpt.resolve_checkpoint(folder) if folder else None]
-    found = []
-    for seed in comparison.seeds:
-        spec = run_spec(comparison, trainer, bench, seed)
-        final = finished_checkpoint(spec)
-        if final is None:
-            raise NotTrainedError(
-                f"{trainer.label} | {bench.name}, seed {seed}: run {spec.run_dir} is not "
-                "trained to the end; run `atgrpo compare FILE --train` to train or resume it"
-            )
-        found.append(final)
-    return list(comparison.seeds), list(found)
+        final = ckpt.resolve_checkpoint(folder) if folder else None
+        seconds = training_seconds(str(final)) if final is not None else None
+        return CellRuns([comparison.seed], [final], [seconds])
+    found = [
+        trained_run(comparison, run_spec(comparison, trainer, bench, s)) for s in comparison.seeds
+    ]
+    return CellRuns(list(comparison.seeds), [f[0] for f in found], [f[1] for f in found])
+
+
+def trained_run(comparison: Comparison, spec: RunSpec) -> tuple[Path, float | None]:
+    """A finished run's final checkpoint and training seconds: from its folder (recording it
+    when the comparison keeps records), else from its record (:mod:`atgrpo.experiments.records`)."""
+    from atgrpo.experiments import records
+
+    final, keep = finished_checkpoint(spec), comparison.record_dir
+    if final is not None and keep is None:
+        return final, training_seconds(str(final))
+    if final is not None and keep is not None:
+        kept = records.write_record(keep, spec, final)
+        return final, kept.training_seconds
+    found = records.read_record(keep, spec) if keep is not None else None
+    if found is not None:
+        return found.checkpoint, found.training_seconds
+    raise NotTrainedError(
+        f"{spec.method.label} | {spec.bench.name}, seed {spec.seed}: run {spec.run_dir} is not "
+        "trained to the end; run `atgrpo compare FILE --train` to train or resume it"
+    )
 
 
 Evaluator = Callable[[Config, Path | None, Split], EvalReport]
@@ -333,16 +367,32 @@ def _fingerprint(cfg: Config, checkpoint: Path | None, split: Split) -> str:
 
 
 def cached_evaluation(
-    evaluate: Evaluator, cfg: Config, checkpoint: Path | None, split: Split, path: Path
+    evaluate: Evaluator,
+    cfg: Config,
+    checkpoint: Path | None,
+    split: Split,
+    path: Path,
+    samples_at: Path | None = None,
 ) -> EvalReport:
-    """``evaluate``'s report, read from ``path`` when it holds this very evaluation."""
+    """``evaluate``'s report, read from ``path`` when it holds this very evaluation. Its
+    episodes go beside ``path``, or beside ``samples_at`` when given (a record keeps none)."""
     key = _fingerprint(cfg, checkpoint, split)
     if path.is_file():
         record = json.loads(path.read_text(encoding="utf-8"))
         if record.get("fingerprint") == key:
             return report_from_record(record)
+    if checkpoint is not None and not checkpoint.exists():
+        raise NotTrainedError(
+            f"checkpoint {checkpoint} is not on this machine and {path} holds no evaluation of "
+            "this cell: the run was recorded elsewhere; delete its record (record_dir/runs/...) "
+            "and run `atgrpo compare FILE --train` to train it here"
+        )
     report = evaluate(cfg, checkpoint, split)
-    write_eval_json(report, path, extra={"fingerprint": key})
+    if samples_at is not None and report.samples:
+        write_eval_json(report, samples_at, extra={"fingerprint": key})
+        write_eval_json(replace(report, samples=[]), path, extra={"fingerprint": key})
+    else:
+        write_eval_json(report, path, extra={"fingerprint": key})
     return report
 
 
@@ -352,24 +402,37 @@ def run_comparison(
     on_cell: Callable[[TableCell], None] | None = None,
     cache: bool = True,
 ) -> list[TableCell]:
-    """Every method on every benchmark, in table order; evaluations cached under output_dir."""
+    """Every method on every benchmark, in table order; evaluations cached under output_dir
+    (under record_dir when the comparison keeps records)."""
     cells = []
     for bench in comparison.benchmarks:
         for method in comparison.methods:
             cfg = cell_config(comparison, method, bench)
-            seeds, checkpoints = cell_checkpoints(comparison, method, bench)
+            runs = cell_checkpoints(comparison, method, bench)
             reports = []
-            for seed, checkpoint in zip(seeds, checkpoints, strict=True):
-                path = _cache_path(comparison, method, bench, seed)
-                if cache:
-                    reports.append(
-                        cached_evaluation(evaluate, cfg, checkpoint, comparison.split, path)
-                    )
-                else:
+            for seed, checkpoint in zip(runs.seeds, runs.checkpoints, strict=True):
+                if not cache:
                     reports.append(evaluate(cfg, checkpoint, comparison.split))
-            names = [str(c or "") for c in checkpoints]
+                    continue
+                path = _cache_path(comparison, method, bench, seed)
+                beside = _cache_path(comparison, method, bench, seed, records=False)
+                samples = beside if beside != path else None
+                reports.append(
+                    cached_evaluation(
+                        evaluate, cfg, checkpoint, comparison.split, path, samples_at=samples
+                    )
+                )
+            names = [str(c or "") for c in runs.checkpoints]
+            seconds = [t for t in runs.train_seconds if t is not None]
             cell = TableCell(
-                method.label, bench.name, reports, names, method.config, seeds, method.versus
+                method.label,
+                bench.name,
+                reports,
+                names,
+                method.config,
+                runs.seeds,
+                method.versus,
+                seconds,
             )
             cells.append(cell)
             if on_cell is not None:
@@ -377,8 +440,13 @@ def run_comparison(
     return cells
 
 
-def _cache_path(comparison: Comparison, method: Method, bench: BenchmarkSpec, seed: int) -> Path:
-    folder = Path(comparison.output_dir) / "evals" / slug(bench.name) / slug(method.label)
+def _cache_path(
+    comparison: Comparison, method: Method, bench: BenchmarkSpec, seed: int, records: bool = True
+) -> Path:
+    """Where a cell's evaluation is cached: under record_dir when the comparison keeps records
+    (and ``records``), else under output_dir."""
+    top = comparison.record_dir if records and comparison.record_dir else comparison.output_dir
+    folder = Path(top) / "evals" / slug(bench.name) / slug(method.label)
     return folder / f"seed{seed}.json"
 
 
@@ -523,12 +591,17 @@ def _mean_pass_at(cell: TableCell, k: int) -> str:
 
 
 def trained_runs(comparison: Comparison) -> dict[str, dict[str, list[Path]]]:
-    """Benchmark -> trained method -> the run folders of its seeds that exist."""
+    """Benchmark -> trained method -> the run folders of its seeds that exist (a recorded run's
+    record folder where its run folder is gone)."""
+    from atgrpo.experiments import records
+
     out: dict[str, dict[str, list[Path]]] = {b.name: {} for b in comparison.benchmarks}
     for spec in planned_runs(comparison):
         folders = out[spec.bench.name].setdefault(spec.method.label, [])
         if spec.run_dir.is_dir():
             folders.append(spec.run_dir)
+        elif comparison.record_dir and (kept := records.read_record(comparison.record_dir, spec)):
+            folders.append(kept.folder)
     return out
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.config import dump_config
+from atgrpo.experiments import records
 from atgrpo.experiments.compare import Comparison, RunSpec, finished_checkpoint, planned_runs, slug
 
 
@@ -34,13 +35,21 @@ class RunFailedError(RuntimeError):
 @dataclass(frozen=True)
 class RunStatus:
     spec: RunSpec
-    state: str  # "done", "partial" (a checkpoint before the last step) or "missing"
+    # "done", "recorded" (finished elsewhere: its record_dir entry, no folder here), "partial"
+    # (a checkpoint before the last step) or "missing"
+    state: str
     step: int  # the last checkpointed step (0: none)
 
+    @property
+    def finished(self) -> bool:
+        return self.state in ("done", "recorded")
 
-def run_status(spec: RunSpec) -> RunStatus:
+
+def run_status(spec: RunSpec, record_dir: str | None = None) -> RunStatus:
     if finished_checkpoint(spec) is not None:
         return RunStatus(spec, "done", spec.cfg.train.steps)
+    if record_dir is not None and records.read_record(record_dir, spec) is not None:
+        return RunStatus(spec, "recorded", spec.cfg.train.steps)
     latest = ckpt.latest_checkpoint(spec.run_dir)
     if latest is None:
         return RunStatus(spec, "missing", 0)
@@ -48,7 +57,7 @@ def run_status(spec: RunSpec) -> RunStatus:
 
 
 def grid_status(comparison: Comparison) -> list[RunStatus]:
-    return [run_status(spec) for spec in planned_runs(comparison)]
+    return [run_status(spec, comparison.record_dir) for spec in planned_runs(comparison)]
 
 
 def config_path(comparison: Comparison, spec: RunSpec) -> Path:
@@ -107,15 +116,20 @@ def _forwarding_signals(child: subprocess.Popen[bytes]) -> Iterator[None]:
 def train_grid(
     comparison: Comparison, on_status: Callable[[RunStatus, str], None] | None = None
 ) -> list[RunStatus]:
-    """Train every run that is not finished, in plan order; the statuses before training."""
+    """Train every run that is not finished, in plan order, recording each finished run when
+    the comparison keeps records; the statuses before training."""
     statuses = grid_status(comparison)
     for status in statuses:
-        if status.state == "done":
+        if status.state == "recorded":
             continue
-        if on_status is not None:
-            on_status(status, "start")
-        log = status.spec.run_dir.parent / f"seed{status.spec.seed}.log"
-        seconds = train_run(comparison, status, log)
-        if on_status is not None:
-            on_status(run_status(status.spec), f"{seconds:.0f} s")
+        if status.state != "done":
+            if on_status is not None:
+                on_status(status, "start")
+            log = status.spec.run_dir.parent / f"seed{status.spec.seed}.log"
+            seconds = train_run(comparison, status, log)
+            if on_status is not None:
+                on_status(run_status(status.spec), f"{seconds:.0f} s")
+        final = finished_checkpoint(status.spec)
+        if comparison.record_dir is not None and final is not None:
+            records.write_record(comparison.record_dir, status.spec, final)
     return statuses

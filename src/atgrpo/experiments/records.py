@@ -1,0 +1,119 @@
+"""Finished runs kept after their folders are gone: a comparison's ``record_dir``.
+
+A comparison trains its runs under ``<output_dir>/runs/``: checkpoints of hundreds of MB each,
+which no version control keeps. A grid of many runs takes longer than one machine's sitting, and
+the next sitting may start on a machine where that folder is gone. With ``record_dir`` set (a
+folder kept in version control, e.g. ``results/arith-ablations-loop``), each finished run leaves
+a small record there, and every evaluation of the table is cached there instead of under
+``<output_dir>/evals/``::
+
+    <record_dir>/runs/<benchmark>/<method>/seed<n>/record.json    config digest, checkpoint path,
+                                                                   training seconds
+    <record_dir>/runs/<benchmark>/<method>/seed<n>/metrics.jsonl   its learning-curve metrics
+    <record_dir>/evals/<benchmark>/<method>/seed<n>.json           each cell's evaluation
+
+A later ``--train`` counts a recorded run as finished when its config is unchanged (a changed
+config trains it again and replaces the record), and the table reads the run's evaluations,
+training time and curves from the record. A new row on a recorded run whose checkpoint is gone
+cannot be evaluated: the comparison says so and names the record to delete to retrain it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from atgrpo.config import dump_config
+from atgrpo.training.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from atgrpo.experiments.compare import RunSpec
+
+RECORD_SCHEMA = 1
+# The metrics a record keeps per step: the rollout's and its groups' (the learning curves,
+# `atgrpo groups`), the step time and the sampler's drift, to 5 significant digits.
+KEPT_PREFIXES = ("rollout/", "groups/")
+KEPT_KEYS = ("perf/step_s", "loss/rollout_kl")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    folder: Path
+    checkpoint: Path  # where the run's final checkpoint was (maybe on another machine)
+    training_seconds: float | None
+
+
+def config_digest(spec: RunSpec) -> str:
+    return hashlib.sha256(dump_config(spec.cfg).encode()).hexdigest()
+
+
+def record_folder(record_dir: str | Path, spec: RunSpec) -> Path:
+    from atgrpo.experiments.compare import slug
+
+    bench, method = slug(spec.bench.name), slug(spec.method.label)
+    return Path(record_dir) / "runs" / bench / method / f"seed{spec.seed}"
+
+
+def read_record(record_dir: str | Path, spec: RunSpec) -> RunRecord | None:
+    """The run's record, or None when there is none or it was made with another config."""
+    folder = record_folder(record_dir, spec)
+    path = folder / "record.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("config_sha256") != config_digest(spec):
+        return None
+    return RunRecord(folder, Path(data["checkpoint"]), data.get("training_seconds"))
+
+
+def write_record(record_dir: str | Path, spec: RunSpec, checkpoint: Path) -> RunRecord:
+    """Record a finished run whose folder is still here: its curves and training time."""
+    from atgrpo.experiments.compare import training_seconds
+
+    folder = record_folder(record_dir, spec)
+    folder.mkdir(parents=True, exist_ok=True)
+    seconds = training_seconds(str(checkpoint))
+    metrics = spec.run_dir / "metrics.jsonl"
+    rows = _curve_rows(read_metrics(metrics)) if metrics.is_file() else []
+    _write_whole(folder / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    data: dict[str, Any] = {
+        "schema": RECORD_SCHEMA,
+        "method": spec.method.label,
+        "benchmark": spec.bench.name,
+        "seed": spec.seed,
+        "steps": spec.cfg.train.steps,
+        "checkpoint": str(checkpoint),
+        "training_seconds": seconds,
+        "config_sha256": config_digest(spec),
+    }
+    _write_whole(folder / "record.json", json.dumps(data, indent=2) + "\n")
+    return RunRecord(folder, checkpoint, seconds)
+
+
+def _curve_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step's last record (a step redone after a resume counts once), the kept keys only."""
+    last: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if isinstance(r.get("step"), int):
+            kept = {k: _short(v) for k, v in r.items() if _kept(k)}
+            if kept:
+                last[r["step"]] = kept
+    return [{"step": step} | last[step] for step in sorted(last)]
+
+
+def _kept(key: str) -> bool:
+    return key in KEPT_KEYS or key.startswith(KEPT_PREFIXES)
+
+
+def _short(value: Any) -> Any:
+    return float(f"{value:.5g}") if isinstance(value, float) else value
+
+
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
