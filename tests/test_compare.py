@@ -401,3 +401,25 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     path.write_text(yaml.safe_dump(spec))
     assert main(["compare", str(path), "--status"]) == 0
     assert capsys.readouterr().out.startswith("missing     0/2  MAS + AT-GRPO")
+
+
+def test_two_train_processes_share_a_grid(tmp_path: Path) -> None:
+    """A run another --train holds (its claim) is skipped, not trained twice or failed on."""
+    from atgrpo.experiments.compare import planned_runs
+    from atgrpo.experiments.runs import RunStatus, claimed, grid_status, train_grid
+
+    comparison = load_comparison(_grid_file(tmp_path, seeds=[0, 1]))
+    first, second = planned_runs(comparison)
+    seen: list[tuple[int, str]] = []
+
+    def note(status: RunStatus, what: str) -> None:
+        seen.append((status.spec.seed, what if what in ("busy", "start") else "trained"))
+
+    with claimed(first) as mine:
+        assert mine
+        with claimed(first) as again:
+            assert not again  # one holder at a time (flock is per open file)
+        train_grid(comparison, note)
+    assert seen == [(0, "busy"), (1, "start"), (1, "trained")]
+    assert [s.state for s in grid_status(comparison)] == ["missing", "done"]
+    assert second.run_dir.is_dir() and not first.run_dir.exists()

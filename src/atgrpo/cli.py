@@ -354,7 +354,9 @@ def _train_comparison(comparison: Any) -> None:
     def on_status(st: RunStatus, what: str) -> None:
         spec = st.spec
         name = f"{escape(spec.method.label)} | {escape(spec.bench.name)} | seed {spec.seed}"
-        if what == "start":
+        if what == "busy":
+            console.print(f"skipping {name}: another --train process is training it")
+        elif what == "start":
             how = "resuming from step " + str(st.step) if st.state == "partial" else "training"
             console.print(f"{how}: {name} -> {escape(str(spec.run_dir))}")
         else:

@@ -12,6 +12,8 @@ unfinished ones from their last checkpoint, and starts those never checkpointed 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import shutil
 import signal
 import subprocess
@@ -117,19 +119,43 @@ def train_grid(
     comparison: Comparison, on_status: Callable[[RunStatus, str], None] | None = None
 ) -> list[RunStatus]:
     """Train every run that is not finished, in plan order, recording each finished run when
-    the comparison keeps records; the statuses before training."""
+    the comparison keeps records; the statuses before training. A run another ``--train`` of
+    the same grid is training is left to it (``on_status(..., "busy")``), so several processes
+    share one grid."""
+    report = on_status or (lambda status, what: None)
     statuses = grid_status(comparison)
     for status in statuses:
         if status.state == "recorded":
             continue
-        if status.state != "done":
-            if on_status is not None:
-                on_status(status, "start")
-            log = status.spec.run_dir.parent / f"seed{status.spec.seed}.log"
-            seconds = train_run(comparison, status, log)
-            if on_status is not None:
-                on_status(run_status(status.spec), f"{seconds:.0f} s")
-        final = finished_checkpoint(status.spec)
-        if comparison.record_dir is not None and final is not None:
-            records.write_record(comparison.record_dir, status.spec, final)
+        with claimed(status.spec) as mine:
+            if not mine:
+                report(status, "busy")
+                continue
+            now = run_status(status.spec)  # another process may have finished it meanwhile
+            if not now.finished:
+                report(now, "start")
+                log = status.spec.run_dir.parent / f"seed{status.spec.seed}.log"
+                seconds = train_run(comparison, now, log)
+                report(run_status(status.spec), f"{seconds:.0f} s")
+            final = finished_checkpoint(status.spec)
+            if comparison.record_dir is not None and final is not None:
+                records.write_record(comparison.record_dir, status.spec, final)
     return statuses
+
+
+@contextlib.contextmanager
+def claimed(spec: RunSpec) -> Iterator[bool]:
+    """Hold the run's claim (an ``flock`` on ``seed<n>.claim`` beside its folder) inside the
+    block; False when another process holds it. The kernel drops it when its holder dies."""
+    path = spec.run_dir.parent / f"seed{spec.seed}.claim"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
