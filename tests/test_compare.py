@@ -403,12 +403,16 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     assert capsys.readouterr().out.startswith("missing     0/2  MAS + AT-GRPO")
 
 
-def test_two_train_processes_share_a_grid(tmp_path: Path) -> None:
+def test_two_train_processes_share_a_grid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A run another --train holds (its claim) is skipped, not trained twice or failed on."""
+    from atgrpo.cli import main
     from atgrpo.experiments.compare import planned_runs
     from atgrpo.experiments.runs import RunStatus, claimed, grid_status, train_grid
 
-    comparison = load_comparison(_grid_file(tmp_path, seeds=[0, 1]))
+    path = _grid_file(tmp_path, seeds=[0, 1])
+    comparison = load_comparison(path)
     first, second = planned_runs(comparison)
     seen: list[tuple[int, str]] = []
 
@@ -420,6 +424,9 @@ def test_two_train_processes_share_a_grid(tmp_path: Path) -> None:
         with claimed(first) as again:
             assert not again  # one holder at a time (flock is per open file)
         train_grid(comparison, note)
+        assert main(["compare", str(path), "--status"]) == 0
+        assert "seed 0" in (line := capsys.readouterr().out.splitlines()[0])
+        assert line.startswith("missing") and line.endswith(", training now)")
     assert seen == [(0, "busy"), (1, "start"), (1, "trained")]
     assert [s.state for s in grid_status(comparison)] == ["missing", "done"]
     assert second.run_dir.is_dir() and not first.run_dir.exists()
