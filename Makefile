@@ -46,6 +46,22 @@ compare: $(VENV)/.model $(VENV)/.data
 	$(VENV)/bin/atgrpo models prepare
 	for f in $(COMPARISONS); do $(VENV)/bin/atgrpo compare configs/compare/$$f.yaml --train || exit 1; done
 
+# The issue-24 grids under the mini-batched loop (docs/results.md): TRAINERS `--train` processes
+# of one thread each share every grid (each claims the run it trains), then each table is made.
+# Finished runs leave records in results/ (commit them): a later call, on this machine or
+# another, trains only what is missing. Many hours on 2 cores: stop it and run it again.
+LOOP_COMPARISONS ?= arith-ablations-loop plan_path-loop sokoban-loop plan_path-strict-loop
+TRAINERS ?= 2
+.PHONY: compare-loop
+compare-loop: $(VENV)/.model $(VENV)/.data
+	$(VENV)/bin/atgrpo models prepare
+	pids=""; for i in $$(seq $(TRAINERS)); do \
+	  (for f in $(LOOP_COMPARISONS); do \
+	    OMP_NUM_THREADS=1 $(VENV)/bin/atgrpo compare configs/compare/$$f.yaml --train || exit 1; \
+	  done) & pids="$$pids $$!"; sleep 5; \
+	done; for p in $$pids; do wait $$p || exit 1; done
+	for f in $(LOOP_COMPARISONS); do $(VENV)/bin/atgrpo compare configs/compare/$$f.yaml || exit 1; done
+
 # The default tier: unit and smoke tests on a tiny in-process model; no network, no download.
 # pytest's exit 5 ("no tests collected") is a failure, not a pass.
 test: $(VENV)/.test

@@ -424,6 +424,9 @@ def test_two_train_processes_share_a_grid(
         with claimed(first) as again:
             assert not again  # one holder at a time (flock is per open file)
         train_grid(comparison, note)
+        assert main(["compare", str(path), "--train"]) == 0  # seed 1 done; seed 0 is busy
+        assert "the table waits for the runs other --train processes" in capsys.readouterr().out
+        assert not (tmp_path / "grid" / "table.md").exists()
         assert main(["compare", str(path), "--status"]) == 0
         assert "seed 0" in (line := capsys.readouterr().out.splitlines()[0])
         assert line.startswith("missing") and line.endswith(", training now)")

@@ -319,7 +319,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.output_dir:
         comparison.output_dir = args.output_dir
     if args.train:
-        _train_comparison(comparison)
+        if _train_comparison(comparison):
+            console.print(
+                "the table waits for the runs other --train processes are training: run "
+                "`atgrpo compare FILE` when they end"
+            )
+            return 0
     elif args.status:
         _print_grid_status(comparison)
         return 0
@@ -351,13 +356,18 @@ def _print_grid_status(comparison: Any) -> None:
         )
 
 
-def _train_comparison(comparison: Any) -> None:
+def _train_comparison(comparison: Any) -> int:
+    """Train the grid's missing runs; how many were left to other --train processes."""
     from atgrpo.experiments.runs import RunStatus, train_grid
 
+    busy = 0
+
     def on_status(st: RunStatus, what: str) -> None:
+        nonlocal busy
         spec = st.spec
         name = f"{escape(spec.method.label)} | {escape(spec.bench.name)} | seed {spec.seed}"
         if what == "busy":
+            busy += 1
             console.print(f"skipping {name}: another --train process is training it")
         elif what == "start":
             how = "resuming from step " + str(st.step) if st.state == "partial" else "training"
@@ -368,6 +378,7 @@ def _train_comparison(comparison: Any) -> None:
     statuses = train_grid(comparison, on_status)
     done = sum(st.finished for st in statuses)
     console.print(f"runs: {len(statuses)} planned, {done} were already finished")
+    return busy
 
 
 def _evaluate_comparison(comparison: Any) -> int:
