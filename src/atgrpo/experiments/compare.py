@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from atgrpo import checkpoint as ckpt
 from atgrpo.config import Config, ConfigError, config_from_raw, dump_config, read_raw_config
 from atgrpo.envs import Split
+from atgrpo.experiments import records
 from atgrpo.experiments.intervals import Interval, difference_interval, success_interval
 from atgrpo.training.evaluation import EvalReport, report_from_record, write_eval_json
 from atgrpo.training.metrics import read_metrics
@@ -300,6 +301,28 @@ def finished_checkpoint(spec: RunSpec) -> Path | None:
     return latest if step >= spec.cfg.train.steps else None
 
 
+def _record_folder(comparison: Comparison, spec: RunSpec) -> Path | None:
+    if comparison.record_dir is None:
+        return None
+    folder = Path(comparison.record_dir) / "runs" / slug(spec.bench.name)
+    return folder / slug(spec.method.label) / f"seed{spec.seed}"
+
+
+def recorded_run(comparison: Comparison, spec: RunSpec) -> records.RunRecord | None:
+    """The run's record under the comparison's record_dir, while its config is unchanged."""
+    folder = _record_folder(comparison, spec)
+    return records.read_record(folder, spec.cfg) if folder is not None else None
+
+
+def record_run(comparison: Comparison, spec: RunSpec, final: Path) -> records.RunRecord | None:
+    """Record a finished run under record_dir (None: the comparison keeps no records)."""
+    folder = _record_folder(comparison, spec)
+    if folder is None:
+        return None
+    about = {"method": spec.method.label, "benchmark": spec.bench.name, "seed": spec.seed}
+    return records.write_record(folder, spec.cfg, final, training_seconds(str(final)), about)
+
+
 class NotTrainedError(ConfigError):
     """A `train: true` method's run is missing or unfinished."""
 
@@ -334,16 +357,11 @@ def cell_checkpoints(comparison: Comparison, method: Method, bench: BenchmarkSpe
 def trained_run(comparison: Comparison, spec: RunSpec) -> tuple[Path, float | None]:
     """A finished run's final checkpoint and training seconds: from its folder (recording it
     when the comparison keeps records), else from its record (:mod:`atgrpo.experiments.records`)."""
-    from atgrpo.experiments import records
-
-    final, keep = finished_checkpoint(spec), comparison.record_dir
-    if final is not None and keep is None:
-        return final, training_seconds(str(final))
-    if final is not None and keep is not None:
-        kept = records.write_record(keep, spec, final)
-        return final, kept.training_seconds
-    found = records.read_record(keep, spec) if keep is not None else None
-    if found is not None:
+    final = finished_checkpoint(spec)
+    if final is not None:
+        kept = record_run(comparison, spec, final)
+        return final, kept.training_seconds if kept else training_seconds(str(final))
+    if (found := recorded_run(comparison, spec)) is not None:
         return found.checkpoint, found.training_seconds
     raise NotTrainedError(
         f"{spec.method.label} | {spec.bench.name}, seed {spec.seed}: run {spec.run_dir} is not "
@@ -593,14 +611,12 @@ def _mean_pass_at(cell: TableCell, k: int) -> str:
 def trained_runs(comparison: Comparison) -> dict[str, dict[str, list[Path]]]:
     """Benchmark -> trained method -> the run folders of its seeds that exist (a recorded run's
     record folder where its run folder is gone)."""
-    from atgrpo.experiments import records
-
     out: dict[str, dict[str, list[Path]]] = {b.name: {} for b in comparison.benchmarks}
     for spec in planned_runs(comparison):
         folders = out[spec.bench.name].setdefault(spec.method.label, [])
         if spec.run_dir.is_dir():
             folders.append(spec.run_dir)
-        elif comparison.record_dir and (kept := records.read_record(comparison.record_dir, spec)):
+        elif (kept := recorded_run(comparison, spec)) is not None:
             folders.append(kept.folder)
     return out
 

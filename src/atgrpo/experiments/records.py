@@ -25,13 +25,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from atgrpo.config import dump_config
+from atgrpo.config import Config, dump_config
 from atgrpo.training.metrics import read_metrics
-
-if TYPE_CHECKING:
-    from atgrpo.experiments.compare import RunSpec
 
 RECORD_SCHEMA = 1
 # The metrics a record keeps per step: the rollout's and its groups' (the learning curves,
@@ -47,54 +44,43 @@ class RunRecord:
     training_seconds: float | None
 
 
-def config_digest(spec: RunSpec) -> str:
-    return hashlib.sha256(dump_config(spec.cfg).encode()).hexdigest()
+def config_digest(cfg: Config) -> str:
+    return hashlib.sha256(dump_config(cfg).encode()).hexdigest()
 
 
-def record_folder(record_dir: str | Path, spec: RunSpec) -> Path:
-    from atgrpo.experiments.compare import slug
-
-    bench, method = slug(spec.bench.name), slug(spec.method.label)
-    return Path(record_dir) / "runs" / bench / method / f"seed{spec.seed}"
-
-
-def read_record(record_dir: str | Path, spec: RunSpec) -> RunRecord | None:
-    """The run's record, or None when there is none or it was made with another config."""
-    folder = record_folder(record_dir, spec)
+def read_record(folder: Path, cfg: Config) -> RunRecord | None:
+    """The record in ``folder``, or None when there is none or it was made with another config."""
     path = folder / "record.json"
     if not path.is_file():
         return None
     data = json.loads(path.read_text(encoding="utf-8"))
-    if data.get("config_sha256") != config_digest(spec):
+    if data.get("config_sha256") != config_digest(cfg):
         return None
     return RunRecord(folder, Path(data["checkpoint"]), data.get("training_seconds"))
 
 
-def write_record(record_dir: str | Path, spec: RunSpec, checkpoint: Path) -> RunRecord:
-    """Record a finished run whose folder is still here: its curves and training time."""
-    from atgrpo.experiments.compare import training_seconds
-
-    folder = record_folder(record_dir, spec)
+def write_record(
+    folder: Path, cfg: Config, checkpoint: Path, seconds: float | None, about: dict[str, Any]
+) -> RunRecord:
+    """Record a finished run whose folder (``cfg.run_dir``) is still here: its curves, its
+    training time, and ``about`` (what the run is: method, benchmark, seed)."""
     folder.mkdir(parents=True, exist_ok=True)
-    seconds = training_seconds(str(checkpoint))
-    metrics = spec.run_dir / "metrics.jsonl"
-    rows = _curve_rows(read_metrics(metrics)) if metrics.is_file() else []
+    metrics = cfg.run_dir / "metrics.jsonl"
+    rows = _kept_rows(read_metrics(metrics)) if metrics.is_file() else []
     _write_whole(folder / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     data: dict[str, Any] = {
         "schema": RECORD_SCHEMA,
-        "method": spec.method.label,
-        "benchmark": spec.bench.name,
-        "seed": spec.seed,
-        "steps": spec.cfg.train.steps,
+        **about,
+        "steps": cfg.train.steps,
         "checkpoint": str(checkpoint),
         "training_seconds": seconds,
-        "config_sha256": config_digest(spec),
+        "config_sha256": config_digest(cfg),
     }
     _write_whole(folder / "record.json", json.dumps(data, indent=2) + "\n")
     return RunRecord(folder, checkpoint, seconds)
 
 
-def _curve_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _kept_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each step's last record (a step redone after a resume counts once), the kept keys only."""
     last: dict[int, dict[str, Any]] = {}
     for r in records:

@@ -26,8 +26,15 @@ from pathlib import Path
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.config import dump_config
-from atgrpo.experiments import records
-from atgrpo.experiments.compare import Comparison, RunSpec, finished_checkpoint, planned_runs, slug
+from atgrpo.experiments.compare import (
+    Comparison,
+    RunSpec,
+    finished_checkpoint,
+    planned_runs,
+    record_run,
+    recorded_run,
+    slug,
+)
 
 
 class RunFailedError(RuntimeError):
@@ -47,10 +54,11 @@ class RunStatus:
         return self.state in ("done", "recorded")
 
 
-def run_status(spec: RunSpec, record_dir: str | None = None) -> RunStatus:
+def run_status(spec: RunSpec, recorded: Comparison | None = None) -> RunStatus:
+    """The run's state; ``recorded``: the comparison whose records count as finished runs."""
     if finished_checkpoint(spec) is not None:
         return RunStatus(spec, "done", spec.cfg.train.steps)
-    if record_dir is not None and records.read_record(record_dir, spec) is not None:
+    if recorded is not None and recorded_run(recorded, spec) is not None:
         return RunStatus(spec, "recorded", spec.cfg.train.steps)
     latest = ckpt.latest_checkpoint(spec.run_dir)
     if latest is None:
@@ -59,7 +67,7 @@ def run_status(spec: RunSpec, record_dir: str | None = None) -> RunStatus:
 
 
 def grid_status(comparison: Comparison) -> list[RunStatus]:
-    return [run_status(spec, comparison.record_dir) for spec in planned_runs(comparison)]
+    return [run_status(spec, comparison) for spec in planned_runs(comparison)]
 
 
 def config_path(comparison: Comparison, spec: RunSpec) -> Path:
@@ -137,9 +145,8 @@ def train_grid(
                 log = status.spec.run_dir.parent / f"seed{status.spec.seed}.log"
                 seconds = train_run(comparison, now, log)
                 report(run_status(status.spec), f"{seconds:.0f} s")
-            final = finished_checkpoint(status.spec)
-            if comparison.record_dir is not None and final is not None:
-                records.write_record(comparison.record_dir, status.spec, final)
+            if (final := finished_checkpoint(status.spec)) is not None:
+                record_run(comparison, status.spec, final)
     return statuses
 
 
