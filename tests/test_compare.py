@@ -362,6 +362,7 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     --train trains nothing and the table (times, curves) comes from the records."""
     import shutil
 
+    from atgrpo.checkpoint import weights_digest
     from atgrpo.cli import main
 
     path = _grid_file(tmp_path, seeds=[0])
@@ -373,6 +374,7 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     kept = tmp_path / "kept" / "runs" / "plan-path-4x4" / "mas-at-grpo" / "seed0"
     record = json.loads((kept / "record.json").read_text())
     assert record["steps"] == 2 and record["checkpoint"].endswith("step-000002")
+    assert record["weights_sha256"] == weights_digest(Path(record["checkpoint"]))
     curve = [json.loads(line) for line in (kept / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in curve] == [1, 2] and "rollout/success" in curve[0]
     assert "reward/tool/mean" not in curve[0]  # only the rollout's, groups' and times
@@ -401,6 +403,51 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     path.write_text(yaml.safe_dump(spec))
     assert main(["compare", str(path), "--status"]) == 0
     assert capsys.readouterr().out.startswith("missing     0/2  MAS + AT-GRPO")
+
+
+def test_git_keeps_every_comparison_s_records() -> None:
+    """A record_dir is committed: no ignore rule (e.g. one for run folders) may swallow it."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    kept = []
+    for path in sorted((REPO / "configs" / "compare").glob("*.yaml")):
+        record_dir = yaml.safe_load(path.read_text()).get("record_dir")
+        if record_dir:
+            kept += [f"{record_dir}/runs/b/m/seed0/record.json", f"{record_dir}/evals/b/m/s.json"]
+    assert kept, "no comparison keeps records"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *kept], cwd=REPO, capture_output=True, text=True
+    )
+    assert ignored.stdout == "", f"git ignores records: {ignored.stdout}"
+
+
+def test_an_evaluation_is_kept_for_the_weights_it_evaluated(tmp_path: Path) -> None:
+    """A run trained again at the same path (same config, same checkpoint name) is evaluated
+    again: the cache is keyed on the checkpoint's weights digest too."""
+    from atgrpo.experiments.compare import cached_evaluation
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    calls: list[float] = []
+
+    def evaluate(_cfg: object, _checkpoint: object, _split: Split) -> EvalReport:
+        calls.append(success := 0.1 * (len(calls) + 1))
+        return _report(success)
+
+    checkpoint = tmp_path / "run" / "step-000002"
+    checkpoint.mkdir(parents=True)
+    path = tmp_path / "evals" / "seed0.json"
+
+    def rate(weights: str | None) -> float:
+        got = cached_evaluation(evaluate, cfg, checkpoint, Split.TEST, path, None, weights)
+        return got.success_rate
+
+    assert rate("first weights") == pytest.approx(0.1)
+    assert rate("first weights") == pytest.approx(0.1) and len(calls) == 1  # cached
+    assert rate("retrained weights") == pytest.approx(0.2) and len(calls) == 2
+    assert rate(None) == pytest.approx(0.3) and len(calls) == 3  # digest not known: its own key
 
 
 def test_two_train_processes_share_a_grid(

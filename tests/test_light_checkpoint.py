@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.cli import main
@@ -98,3 +98,30 @@ def test_keep_weights_only_casts_a_full_checkpoint_exactly(tmp_path: Path) -> No
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor.to(torch.bfloat16)), name
     assert not (copy / ckpt.OPTIM_FILE).exists()
+
+
+def test_the_weights_digest_changes_with_the_weights_not_the_optimizer(tmp_path: Path) -> None:
+    """What a comparison's cached evaluation is keyed on: a retrained run's weights."""
+    from atgrpo.checkpoint.steps import write_manifest
+
+    cfg = load_config(TINY, _overrides(tmp_path, "digest", "train.steps=1"))
+    full = ckpt.latest_checkpoint(train(cfg).run_dir)
+    assert full is not None
+    digest = ckpt.weights_digest(full)
+    assert digest is not None and len(digest) == 64
+    copy = tmp_path / "copy"
+    shutil.copytree(full, copy)
+    assert ckpt.weights_digest(copy) == digest  # the same weights elsewhere
+    with (copy / "policy-shared" / ckpt.OPTIM_FILE).open("ab") as f:
+        f.write(b"another optimizer state")
+    (copy / "rng.pt").write_bytes(b"other rng")
+    write_manifest(copy)
+    assert ckpt.weights_digest(copy) == digest
+    weights = load_file(str(copy / "policy-shared" / "model.safetensors"))
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1
+    save_file(weights, str(copy / "policy-shared" / "model.safetensors"))
+    write_manifest(copy)
+    assert ckpt.weights_digest(copy) not in (None, digest)
+    (copy / ckpt.MANIFEST).unlink()
+    assert ckpt.weights_digest(copy) is None  # an older checkpoint: not known

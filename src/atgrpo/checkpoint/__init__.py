@@ -17,6 +17,7 @@ from atgrpo.checkpoint.policy_dir import (
     policy_dirs,
     restore_policy_state,
     save_policy,
+    weights_digest,
     weights_only_saver,
 )
 from atgrpo.checkpoint.steps import (
@@ -73,6 +74,7 @@ __all__ = [
     "save_checkpoint",
     "save_policy",
     "save_torch",
+    "weights_digest",
     "weights_only_dtype",
     "weights_only_saver",
     "write_checkpoint",

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 
 from atgrpo.adapters import ADAPTER_CONFIG, save_adapter
 from atgrpo.algo.policy import Policy
-from atgrpo.checkpoint.steps import PolicySaver, load_torch, save_torch
+from atgrpo.checkpoint.steps import MANIFEST, PolicySaver, load_torch, save_torch
 
 OPTIM_FILE = "optim.pt"  # a replicated policy's optimizer and LR-scheduler state
 SHARDED_DIR = "sharded"  # a sharded policy's torch.distributed.checkpoint
@@ -38,6 +39,7 @@ __all__ = [
     "policy_dirs",
     "restore_policy_state",
     "save_policy",
+    "weights_digest",
     "weights_only_saver",
 ]
 
@@ -154,6 +156,30 @@ def policy_dir(checkpoint: Path, policy_id: str) -> Path:
 def policy_dirs(checkpoint: Path, policy_ids: list[str]) -> dict[str, Path]:
     """The saved folder of every policy in ``policy_ids``; a missing one raises."""
     return {pid: policy_dir(checkpoint, pid) for pid in policy_ids}
+
+
+def weights_digest(checkpoint: Path) -> str | None:
+    """One SHA-256 over the manifest's digests of every policy's model (weights, config,
+    tokenizer; not its optimizer, schedule or shards): equal for two checkpoints that hold the
+    same policies, whatever else differs (a retrained run's differs). None for a checkpoint
+    without a manifest (written by an older atgrpo)."""
+    try:
+        files = json.loads((checkpoint / MANIFEST).read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return None
+    kept = sorted(
+        f"{name} {entry['sha256']}\n" for name, entry in files.items() if _is_weights(name)
+    )
+    return hashlib.sha256("".join(kept).encode()).hexdigest()
+
+
+def _is_weights(name: str) -> bool:
+    parts = name.split("/")
+    return (
+        parts[0].startswith("policy-")
+        and SHARDED_DIR not in parts
+        and parts[-1] not in (OPTIM_FILE, SCHEDULER_FILE)
+    )
 
 
 def restore_policy_state(checkpoint: Path, policy: Policy) -> None:

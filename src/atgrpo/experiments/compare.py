@@ -320,7 +320,8 @@ def record_run(comparison: Comparison, spec: RunSpec, final: Path) -> records.Ru
     if folder is None:
         return None
     about = {"method": spec.method.label, "benchmark": spec.bench.name, "seed": spec.seed}
-    return records.write_record(folder, spec.cfg, final, training_seconds(str(final)), about)
+    seconds = training_seconds(str(final))
+    return records.write_record(folder, spec.cfg, final, seconds, about, ckpt.weights_digest(final))
 
 
 class NotTrainedError(ConfigError):
@@ -329,11 +330,13 @@ class NotTrainedError(ConfigError):
 
 @dataclass(frozen=True)
 class CellRuns:
-    """What a cell evaluates: one checkpoint per seed (None: the untrained model) and, for a
-    trained row, each run's training seconds (None: not known)."""
+    """What a cell evaluates: one checkpoint per seed (None: the untrained model), its weights
+    digest (None: untrained, or not known) and, for a trained row, each run's training seconds
+    (None: not known)."""
 
     seeds: list[int]
     checkpoints: list[Path | None]
+    weights: list[str | None]
     train_seconds: list[float | None]
 
 
@@ -345,24 +348,34 @@ def cell_checkpoints(comparison: Comparison, method: Method, bench: BenchmarkSpe
     if not trainer.train:
         source = method.checkpoint
         folder = source.get(bench.name) if isinstance(source, dict) else source
-        final = ckpt.resolve_checkpoint(folder) if folder else None
-        seconds = training_seconds(str(final)) if final is not None else None
-        return CellRuns([comparison.seed], [final], [seconds])
+        if not folder:
+            return CellRuns([comparison.seed], [None], [None], [None])
+        final = ckpt.resolve_checkpoint(folder)
+        digest = ckpt.weights_digest(final)
+        return CellRuns([comparison.seed], [final], [digest], [training_seconds(str(final))])
     found = [
         trained_run(comparison, run_spec(comparison, trainer, bench, s)) for s in comparison.seeds
     ]
-    return CellRuns(list(comparison.seeds), [f[0] for f in found], [f[1] for f in found])
+    return CellRuns(
+        list(comparison.seeds),
+        [f.checkpoint for f in found],
+        [f.weights for f in found],
+        [f.training_seconds for f in found],
+    )
 
 
-def trained_run(comparison: Comparison, spec: RunSpec) -> tuple[Path, float | None]:
-    """A finished run's final checkpoint and training seconds: from its folder (recording it
-    when the comparison keeps records), else from its record (:mod:`atgrpo.experiments.records`)."""
+def trained_run(comparison: Comparison, spec: RunSpec) -> records.RunRecord:
+    """A finished run's final checkpoint, weights digest and training seconds: from its folder
+    (recording it when the comparison keeps records), else from its record
+    (:mod:`atgrpo.experiments.records`)."""
     final = finished_checkpoint(spec)
     if final is not None:
-        kept = record_run(comparison, spec, final)
-        return final, kept.training_seconds if kept else training_seconds(str(final))
+        if (kept := record_run(comparison, spec, final)) is not None:
+            return kept
+        digest = ckpt.weights_digest(final)
+        return records.RunRecord(spec.run_dir, final, training_seconds(str(final)), digest)
     if (found := recorded_run(comparison, spec)) is not None:
-        return found.checkpoint, found.training_seconds
+        return found
     raise NotTrainedError(
         f"{spec.method.label} | {spec.bench.name}, seed {spec.seed}: run {spec.run_dir} is not "
         "trained to the end; run `atgrpo compare FILE --train` to train or resume it"
@@ -379,8 +392,12 @@ def evaluate_cell(cfg: Config, checkpoint: Path | None, split: Split) -> EvalRep
     return evaluate(cfg, checkpoint, split=split)
 
 
-def _fingerprint(cfg: Config, checkpoint: Path | None, split: Split) -> str:
+def _fingerprint(cfg: Config, checkpoint: Path | None, split: Split, weights: str | None) -> str:
+    """What an evaluation depends on: config, checkpoint and split, and the checkpoint's
+    weights digest (a run trained again at the same path is evaluated again)."""
     text = dump_config(cfg) + f"\n{checkpoint}\n{split.value}"
+    if weights is not None:
+        text += f"\n{weights}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -391,10 +408,12 @@ def cached_evaluation(
     split: Split,
     path: Path,
     samples_at: Path | None = None,
+    weights: str | None = None,
 ) -> EvalReport:
-    """``evaluate``'s report, read from ``path`` when it holds this very evaluation. Its
-    episodes go beside ``path``, or beside ``samples_at`` when given (a record keeps none)."""
-    key = _fingerprint(cfg, checkpoint, split)
+    """``evaluate``'s report, read from ``path`` when it holds this very evaluation (of these
+    ``weights``, the checkpoint's digest). Its episodes go beside ``path``, or beside
+    ``samples_at`` when given (a record keeps none)."""
+    key = _fingerprint(cfg, checkpoint, split, weights)
     if path.is_file():
         record = json.loads(path.read_text(encoding="utf-8"))
         if record.get("fingerprint") == key:
@@ -428,7 +447,8 @@ def run_comparison(
             cfg = cell_config(comparison, method, bench)
             runs = cell_checkpoints(comparison, method, bench)
             reports = []
-            for seed, checkpoint in zip(runs.seeds, runs.checkpoints, strict=True):
+            runs_seeds = zip(runs.seeds, runs.checkpoints, runs.weights, strict=True)
+            for seed, checkpoint, weights in runs_seeds:
                 if not cache:
                     reports.append(evaluate(cfg, checkpoint, comparison.split))
                     continue
@@ -437,7 +457,7 @@ def run_comparison(
                 samples = beside if beside != path else None
                 reports.append(
                     cached_evaluation(
-                        evaluate, cfg, checkpoint, comparison.split, path, samples_at=samples
+                        evaluate, cfg, checkpoint, comparison.split, path, samples, weights
                     )
                 )
             names = [str(c or "") for c in runs.checkpoints]

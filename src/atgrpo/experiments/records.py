@@ -7,15 +7,18 @@ folder kept in version control, e.g. ``results/arith-ablations-loop``), each fin
 a small record there, and every evaluation of the table is cached there instead of under
 ``<output_dir>/evals/``::
 
-    <record_dir>/runs/<benchmark>/<method>/seed<n>/record.json    config digest, checkpoint path,
-                                                                   training seconds
+    <record_dir>/runs/<benchmark>/<method>/seed<n>/record.json    config digest, checkpoint path
+                                                                   and weights digest, training
+                                                                   seconds
     <record_dir>/runs/<benchmark>/<method>/seed<n>/metrics.jsonl   its learning-curve metrics
     <record_dir>/evals/<benchmark>/<method>/seed<n>.json           each cell's evaluation
 
 A later ``--train`` counts a recorded run as finished when its config is unchanged (a changed
 config trains it again and replaces the record), and the table reads the run's evaluations,
-training time and curves from the record. A new row on a recorded run whose checkpoint is gone
-cannot be evaluated: the comparison says so and names the record to delete to retrain it.
+training time and curves from the record. An evaluation is kept for the weights it evaluated
+(their digest, :func:`atgrpo.checkpoint.weights_digest`): a run trained again evaluates again. A
+new row on a recorded run whose checkpoint is gone cannot be evaluated: the comparison says so
+and names the record to delete to retrain it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class RunRecord:
     folder: Path
     checkpoint: Path  # where the run's final checkpoint was (maybe on another machine)
     training_seconds: float | None
+    weights: str | None  # the checkpoint's weights digest (None: a record made before it)
 
 
 def config_digest(cfg: Config) -> str:
@@ -56,14 +60,22 @@ def read_record(folder: Path, cfg: Config) -> RunRecord | None:
     data = json.loads(path.read_text(encoding="utf-8"))
     if data.get("config_sha256") != config_digest(cfg):
         return None
-    return RunRecord(folder, Path(data["checkpoint"]), data.get("training_seconds"))
+    return RunRecord(
+        folder, Path(data["checkpoint"]), data.get("training_seconds"), data.get("weights_sha256")
+    )
 
 
 def write_record(
-    folder: Path, cfg: Config, checkpoint: Path, seconds: float | None, about: dict[str, Any]
+    folder: Path,
+    cfg: Config,
+    checkpoint: Path,
+    seconds: float | None,
+    about: dict[str, Any],
+    weights: str | None,
 ) -> RunRecord:
     """Record a finished run whose folder (``cfg.run_dir``) is still here: its curves, its
-    training time, and ``about`` (what the run is: method, benchmark, seed)."""
+    training time, its checkpoint's ``weights`` digest and ``about`` (what the run is: method,
+    benchmark, seed)."""
     folder.mkdir(parents=True, exist_ok=True)
     metrics = cfg.run_dir / "metrics.jsonl"
     rows = _kept_rows(read_metrics(metrics)) if metrics.is_file() else []
@@ -73,11 +85,12 @@ def write_record(
         **about,
         "steps": cfg.train.steps,
         "checkpoint": str(checkpoint),
+        "weights_sha256": weights,
         "training_seconds": seconds,
         "config_sha256": config_digest(cfg),
     }
     _write_whole(folder / "record.json", json.dumps(data, indent=2) + "\n")
-    return RunRecord(folder, checkpoint, seconds)
+    return RunRecord(folder, checkpoint, seconds, weights)
 
 
 def _kept_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
