@@ -115,7 +115,12 @@ class ModelConfig(_Section):
         ),
     )
     precision: Precision = Field(
-        Precision.AUTO, description="fp32 master weights; bf16 autocast where supported."
+        Precision.AUTO,
+        description=(
+            "fp32 master weights; bf16 autocast where supported. auto: bf16 autocast on a GPU "
+            "with bf16 or a CPU with AVX512-BF16 / AMX, else fp32 (an AVX2-only CPU emulates "
+            "bf16 matmuls: a forward 5-8x slower than in fp32, docs/results.md)."
+        ),
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")
 
