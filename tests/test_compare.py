@@ -375,6 +375,7 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     record = json.loads((kept / "record.json").read_text())
     assert record["steps"] == 2 and record["checkpoint"].endswith("step-000002")
     assert record["weights_sha256"] == weights_digest(Path(record["checkpoint"]))
+    assert record["weights_dtype"] is None  # a full checkpoint: fp32 master weights, not known
     curve = [json.loads(line) for line in (kept / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in curve] == [1, 2] and "rollout/success" in curve[0]
     assert "reward/tool/mean" not in curve[0]  # only the rollout's, groups' and times

@@ -319,7 +319,14 @@ def record_run(comparison: Comparison, spec: RunSpec, final: Path) -> records.Ru
     folder = _record_folder(comparison, spec)
     if folder is None:
         return None
-    about = {"method": spec.method.label, "benchmark": spec.bench.name, "seed": spec.seed}
+    about = {
+        "method": spec.method.label,
+        "benchmark": spec.bench.name,
+        "seed": spec.seed,
+        # the dtype it trained in, from its weights-only checkpoint (a grid's runs may come
+        # from machines where model.precision: auto resolved differently); None: not known
+        "weights_dtype": ckpt.weights_only_dtype(final),
+    }
     seconds = training_seconds(str(final))
     return records.write_record(folder, spec.cfg, final, seconds, about, ckpt.weights_digest(final))
 
