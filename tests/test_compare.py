@@ -378,7 +378,7 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     assert record["weights_dtype"] is None  # a full checkpoint: fp32 master weights, not known
     curve = [json.loads(line) for line in (kept / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in curve] == [1, 2] and "rollout/success" in curve[0]
-    assert "reward/tool/mean" not in curve[0]  # only the rollout's, groups' and times
+    assert {"reward/tool/mean", "perf/rollout_s", "loss/clip_frac"} <= curve[0].keys()
     evals = sorted((tmp_path / "kept" / "evals").rglob("*.json"))
     assert len(evals) == 3 and not list((tmp_path / "kept").rglob("*samples*"))
     assert len(list((tmp_path / "grid" / "evals").rglob("*-samples.jsonl"))) == 3

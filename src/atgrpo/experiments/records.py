@@ -34,10 +34,11 @@ from atgrpo.config import Config, dump_config
 from atgrpo.training.metrics import read_metrics
 
 RECORD_SCHEMA = 1
-# The metrics a record keeps per step: the rollout's and its groups' (the learning curves,
-# `atgrpo groups`), the step time and the sampler's drift, to 5 significant digits.
-KEPT_PREFIXES = ("rollout/", "groups/")
-KEPT_KEYS = ("perf/step_s", "loss/rollout_kl")
+# The metrics a record keeps per step, to 5 significant digits (about 2 KB a step): the
+# rollout's and its groups' (the learning curves, `atgrpo groups`), the rewards per agent, the
+# loss's (clip fractions, ratios, the sampler's drift) and the times and token rates (what a
+# comparison at equal compute reads); not the in-training evaluations (the record's are kept).
+KEPT_PREFIXES = ("rollout/", "groups/", "reward/", "loss/", "perf/")
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _kept_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _kept(key: str) -> bool:
-    return key in KEPT_KEYS or key.startswith(KEPT_PREFIXES)
+    return key.startswith(KEPT_PREFIXES)
 
 
 def _short(value: Any) -> Any:
