@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from atgrpo.cli import main
-from atgrpo.experiments.groups import format_groups, group_rows
+from atgrpo.experiments.groups import format_costs, format_groups, group_rows, step_costs
 
 
 def _step(step: int, **groups: tuple[float, float, float]) -> dict:
@@ -56,6 +56,38 @@ def test_the_table_has_a_line_per_agent_and_turn() -> None:
     assert table[3].split()[:6] == ["tool", "1", "1", "2.0", "1.0", "100.0"]
 
 
+def _costs(step: int, tokens_per_s: float, rollout_s: float, samples: float) -> dict:
+    return {
+        "step": step,
+        "perf/rollout_tokens_per_s": tokens_per_s,
+        "perf/rollout_s": rollout_s,
+        "perf/step_s": rollout_s + 1.0,
+        "rollout/samples": samples,
+    }
+
+
+def test_step_costs_are_medians_of_each_step_s_last_record() -> None:
+    records = [
+        _costs(1, 10.0, 10.0, 32),  # 100 tokens
+        _costs(2, 50.0, 2.0, 32),  # redone after a resume: its last record counts
+        _costs(2, 20.0, 10.0, 40),  # 200 tokens
+        _costs(3, 30.0, 10.0, 48),  # 300 tokens
+        {"step": 4, "loss/loss": 0.0},  # logged nothing of cost
+    ]
+    costs = step_costs(records)
+    assert costs == {
+        "sampled_tokens": 200.0,
+        "samples": 40.0,
+        "rollout_s": 10.0,
+        "step_s": 11.0,
+    }  # no update_s logged: left out, not 0
+    assert step_costs(records, first=3)["sampled_tokens"] == 300.0
+    assert step_costs(records, first=5) == {}
+    line = format_costs(costs)
+    assert line == "median step: 200 tokens sampled, 40 samples, rollout 10.0 s, step 11.0 s"
+    assert format_costs({}) == ""
+
+
 def test_cli_reads_a_run_folder(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     run.mkdir()
@@ -63,6 +95,7 @@ def test_cli_reads_a_run_folder(tmp_path: Path, capsys) -> None:
     assert main(["groups", str(run), "--steps", "1:2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [g["steps"] for g in out["groups"]] == [2, 2, 1]
+    assert out["step"] == {}  # these records log no costs
 
 
 @pytest.mark.parametrize(

@@ -483,22 +483,29 @@ def cmd_tool_use(args: argparse.Namespace) -> int:
 
 
 def cmd_groups(args: argparse.Namespace) -> int:
-    from atgrpo.experiments.groups import format_groups, group_rows, read_run_metrics
+    from atgrpo.experiments.groups import (
+        format_costs,
+        format_groups,
+        group_rows,
+        read_run_metrics,
+        step_costs,
+    )
 
     first, last = _step_range(args.steps)
     for run in args.runs:
         try:
-            rows = group_rows(read_run_metrics(Path(run)), first, last)
+            records = read_run_metrics(Path(run))
         except ValueError as exc:  # no metrics.jsonl, or an unreadable one
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        rows, costs = group_rows(records, first, last), step_costs(records, first, last)
         if not rows:
             print(f"error: {run}: no groups/ metrics in that step range", file=sys.stderr)
             return 2
         if args.json:
-            print(json.dumps({"run": run, "groups": [vars(r) for r in rows]}))
+            print(json.dumps({"run": run, "groups": [vars(r) for r in rows], "step": costs}))
         else:
-            console.print(escape(f"{run}\n{format_groups(rows)}"))
+            console.print(escape(f"{run}\n{format_groups(rows)}\n{format_costs(costs)}"))
     return 0
 
 

@@ -6,6 +6,9 @@ Every training step logs each (agent, turn)'s advantage groups (``groups/<agent>
 the steps that logged it (optionally a range of steps), so runs that differ in grouping or
 sampling can be compared on their groups: how many, how large, what share had tied rewards and
 so no signal, how large the advantages were, and on how many steps a turn occurred at all.
+:func:`step_costs` puts what those steps cost beside them (median per step: tokens sampled,
+samples, rollout, update and step seconds), so two sampling schemes can be compared at equal
+compute, e.g. tree sampling against K independent trajectories.
 
     atgrpo groups runs/a runs/b --steps 1:30
 """
@@ -13,6 +16,7 @@ so no signal, how large the advantages were, and on how many steps a turn occurr
 from __future__ import annotations
 
 import re
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +54,7 @@ def group_rows(
     values: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
         step = record.get("step")
-        if (
-            step is None
-            or (first is not None and step < first)
-            or (last is not None and step > last)
-        ):
+        if step is None or not _within(step, first, last):
             continue
         for key, value in record.items():
             if (m := _KEY.match(key)) and m["field"] in FIELDS:
@@ -64,6 +64,49 @@ def group_rows(
         GroupRow(agent, turn, len(values[(agent, turn)]["count"]), _means(values[(agent, turn)]))
         for agent, turn in order
     ]
+
+
+def step_costs(
+    records: list[dict[str, Any]], first: int | None = None, last: int | None = None
+) -> dict[str, float]:
+    """The median per step over [first, last] of what a step cost: tokens sampled (the steps'
+    ``perf/rollout_tokens_per_s`` x ``perf/rollout_s``: every sample's response tokens), samples
+    trained on, and rollout, update and step seconds. A figure no step logged is left out."""
+    last_of: dict[int, dict[str, Any]] = {}
+    for record in records:  # a step redone after a resume counts once, as its last record
+        step = record.get("step")
+        if isinstance(step, int) and _within(step, first, last):
+            last_of[step] = record
+    steps = list(last_of.values())
+    columns = {
+        "sampled_tokens": [
+            r["perf/rollout_tokens_per_s"] * r["perf/rollout_s"]
+            for r in steps
+            if "perf/rollout_tokens_per_s" in r and "perf/rollout_s" in r
+        ],
+        "samples": [r["rollout/samples"] for r in steps if "rollout/samples" in r],
+    }
+    for name in ("rollout_s", "update_s", "step_s"):
+        columns[name] = [r[f"perf/{name}"] for r in steps if f"perf/{name}" in r]
+    return {name: float(statistics.median(v)) for name, v in columns.items() if v}
+
+
+def _within(step: int, first: int | None, last: int | None) -> bool:
+    return (first is None or step >= first) and (last is None or step <= last)
+
+
+def format_costs(costs: dict[str, float]) -> str:
+    """One line: the median step's cost (what :func:`step_costs` found)."""
+    parts = [
+        f"{costs['sampled_tokens']:.0f} tokens sampled" if "sampled_tokens" in costs else "",
+        f"{costs['samples']:.0f} samples" if "samples" in costs else "",
+        *(
+            f"{name.removesuffix('_s')} {costs[name]:.1f} s"
+            for name in ("rollout_s", "update_s", "step_s")
+            if name in costs
+        ),
+    ]
+    return "median step: " + ", ".join(p for p in parts if p) if costs else ""
 
 
 def _means(fields: dict[str, list[float]]) -> dict[str, float]:
