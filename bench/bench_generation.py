@@ -8,6 +8,14 @@ figure is the best of ``--repeats`` runs, the two paths alternating. On cores sh
 work, ``--threads 1`` gives steadier figures than torch's default.
 
     .venv/bin/python bench/bench_generation.py [--repeats 3] [--threads 1]
+    .venv/bin/python bench/bench_generation.py --branches [--repeats 3] [--threads 1]
+
+``--branches`` times a lookahead-shaped batch instead: 4 tasks x 4 branches, every prompt the
+same instructions and its task (~120 tokens) and then its branch's own ~25 tokens (a tool's
+program and output as the next agent sees them), 12 new tokens, in ``model.precision: auto``'s
+precision for this machine; the shared prefill with the prefix that distinct prompts share run
+once (:mod:`atgrpo.generation.prefixes`) against the same without it (each distinct prompt
+whole), alternating.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from collections.abc import Callable
 
 import torch
 
+import atgrpo.generation.hf as hf
 from atgrpo.generation import HFGenerator, SamplingParams
 from atgrpo.generation.hf import sample_inverse_cdf
-from atgrpo.models import DEFAULT_MODEL, load_model
+from atgrpo.models import DEFAULT_MODEL, bf16_supported, load_model
 
 LENGTHS = (150, 138, 161, 144)  # distinct prompts of different lengths: left padding
 K = 8
@@ -95,6 +104,49 @@ def bench_generate(repeats: int, scale: int) -> None:
         )
 
 
+def branch_prompts(tok) -> list[list[int]]:
+    """4 tasks x 4 branches: shared instructions, the task, then the branch's own tail."""
+    encode = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    head = encode(TEXT)
+    out = []
+    for task in range(4):
+        asked = encode(f" Task {task}: push the box from ({task}, 2) onto the goal at (4, {task}).")
+        for branch in range(4):
+            tail = encode(f" The tool printed: {'LRUD'[branch] * (branch + 2)} then stop. Move:")
+            out.append(head + asked + tail)
+    return out
+
+
+def bench_branches(repeats: int) -> None:
+    model, tok = load_model(DEFAULT_MODEL, device="cpu")
+    batch = branch_prompts(tok)
+    dtype = torch.bfloat16 if bf16_supported() else None  # model.precision: auto
+    gen = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0)
+    whole = hf.worth_sharing
+    outs: dict[str, list] = {}
+    times = {"each distinct prompt whole": float("inf"), "shared prefix once": float("inf")}
+    for _ in range(repeats):
+        for name in times:
+            hf.worth_sharing = whole if name == "shared prefix once" else lambda *a: False
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            outs[name] = gen.generate(batch, params)
+            times[name] = min(times[name], time.perf_counter() - start)
+    hf.worth_sharing = whole
+    base, shared = outs["each distinct prompt whole"], outs["shared prefix once"]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(base, shared, strict=True))
+    lengths = sorted(len(p) for p in batch)
+    print(
+        f"generate {len(batch)} distinct prompts ({lengths[0]}-{lengths[-1]} tokens, 4 tasks x 4 "
+        f"branches), 12 new tokens, {'bf16 autocast' if dtype else 'fp32'}, best of {repeats}:"
+    )
+    first = next(iter(times.values()))
+    for name, seconds in times.items():
+        print(f"  {name:<28} {seconds:7.2f} s   {first / seconds:.2f}x")
+    print(f"  responses identical: {same}/{len(batch)}")
+
+
 def bench_draw(repeats: int, rows: int = 32, vocab: int = 49152, calls: int = 20) -> None:
     torch.manual_seed(0)
     probs = torch.log_softmax(3 * torch.randn(rows, vocab), -1).exp()  # (N, V)
@@ -121,9 +173,15 @@ def main() -> None:
     parser.add_argument(
         "--prompt-scale", type=int, default=1, help="prompts this many times longer (~150 x N)"
     )
+    parser.add_argument(
+        "--branches", action="store_true", help="the lookahead-shaped batch only (docstring)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.branches:
+        bench_branches(args.repeats)
+        return
     if not args.skip_draw:
         bench_draw(args.repeats)
     bench_generate(args.repeats, args.prompt_scale)

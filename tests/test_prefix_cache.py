@@ -41,9 +41,9 @@ def _generate(model, tok, prompts, shared: bool, monkeypatch, **kw):
     inner = hf.HFGenerator._prefill
 
     def prefill(self, *args):
-        cache = inner(self, *args)
+        cache, ids, mask = inner(self, *args)
         layers.extend({type(x) for x in cache.layers})
-        return cache
+        return cache, ids, mask
 
     monkeypatch.setattr(hf.HFGenerator, "_prefill", prefill)
     torch.manual_seed(0)

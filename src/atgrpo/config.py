@@ -291,9 +291,10 @@ class RolloutConfig(_Section):
     share_prefill: bool = Field(
         True,
         description=(
-            "HF engine: prefill each distinct prompt once and decode its K samples over that one "
-            "key/value cache (on CPU with float32 attention; elsewhere the cache is copied to the "
-            "K rows), exact: the same distribution and log-probs; false: prefill every copy."
+            "HF engine: prefill each distinct prompt once (and a long prefix that distinct "
+            "prompts share, once) and decode its K samples over that one key/value cache (on CPU "
+            "with float32 attention; elsewhere the cache is copied to the K rows), exact: the "
+            "same distribution and log-probs; false: prefill every copy."
         ),
     )
     engine: RolloutEngine = Field(

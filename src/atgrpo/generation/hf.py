@@ -22,7 +22,10 @@ distribution is the same, up to the float rounding of differently shaped matmuls
 draws once per step for the whole batch in both paths, so a seed gives the same tokens in fp32
 (the logits agree to 1e-6); under bf16 autocast that rounding (1e-4 in the log-probs) flips some
 draws, not the distribution. A model whose cache cannot be copied row by row (recurrent state, a
-static cache) is refused with an error naming ``rollout.share_prefill=false``.
+static cache) is refused with an error naming ``rollout.share_prefill=false``. Distinct prompts
+that share a long prefix (a tool's K branches asked of the next agent) prefill it once too, in
+two passes over a layout whose masks and positions give each token the same computation
+(:mod:`atgrpo.generation.prefixes`).
 
 **Nothing from the model's generation config.** In transformers 5
 (``GenerationMixin._prepare_generation_config`` in transformers/generation/utils.py) the
@@ -59,6 +62,13 @@ from atgrpo.generation.cache import growing
 from atgrpo.generation.packed import PackedLinears
 from atgrpo.generation.packed import supported as packed_supported
 from atgrpo.generation.prefix_cache import shared_prefix
+from atgrpo.generation.prefixes import (
+    Group,
+    positions,
+    prefix_groups,
+    two_blocks,
+    worth_sharing,
+)
 from atgrpo.models import autocast_for
 
 # Every GenerationConfig field that changes which token comes next, the decoding mode or what
@@ -334,13 +344,14 @@ class HFGenerator:
             pad_id=self.pad_id,
         )
         sampler = _Sampler(*sampler_args) if sampler_args is not None else None
-        sequences = self._run(
+        sequences, width = self._run(
             prompts,
             input_ids.to(device),
             attention_mask.to(device),
             gen_config,
             LogitsProcessorList([sampler] if sampler is not None else []),
-        ).cpu()
+        )
+        sequences = sequences.cpu()
         logprobs = sampler.finish(len(prompts)).cpu() if sampler is not None else None
         results = []
         for i in range(len(prompts)):
@@ -359,7 +370,9 @@ class HFGenerator:
         attention_mask: torch.Tensor,  # (N, P)
         gen_config: GenerationConfig,
         processors: LogitsProcessorList,
-    ) -> torch.Tensor:  # (N, P + steps)
+    ) -> tuple[torch.Tensor, int]:  # (N, W + steps), the prompts' width W
+        """Generate; with the shared prefill, ``generate`` continues from its cache, over the
+        layout the prefill chose (the batch's, or two blocks: :mod:`atgrpo.generation.prefixes`)."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -369,15 +382,18 @@ class HFGenerator:
                 extra: dict[str, Any] = {}
                 if self.share_prefill and input_ids.shape[1] > 1:  # width 1: nothing to share
                     name = cache_kwarg(unwrapped(self.model).forward)
-                    extra[name] = self._prefill(prompts, input_ids, attention_mask)
+                    extra[name], input_ids, attention_mask = self._prefill(
+                        prompts, input_ids, attention_mask
+                    )
                     gen_config.use_cache = True  # None would take the model's, maybe False
-                return self.model.generate(
+                out = self.model.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     generation_config=gen_config,
                     logits_processor=processors,
                     **extra,
                 )
+                return out, input_ids.shape[1]
         finally:
             self.model.train(was_training)
 
@@ -386,30 +402,66 @@ class HFGenerator:
         prompts: list[list[int]],
         input_ids: torch.Tensor,  # (N, P)
         attention_mask: torch.Tensor,  # (N, P)
-    ) -> DynamicCache:  # N rows of P - 1 tokens
-        """The cache of every row's prompt but its last token, each distinct prompt run once.
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:  # N rows of W - 1 tokens, (N, W) x 2
+        """The cache of every row's prompt but its last token, each distinct prompt run once
+        (and a prefix that distinct prompts share, once), with the ids and mask ``generate``
+        continues from: the batch's own, or the two-block layout.
 
         The distinct rows keep the batch's padding, and get the position ids ``generate``
         derives from the mask (``_prepare_position_ids_for_generation``): without them a
         left-padded row would be run at shifted positions.
         """
         firsts, rows = distinct_rows(prompts)
-        ids = input_ids[firsts, :-1]  # (D, P - 1)
-        mask = attention_mask[firsts, :-1]  # (D, P - 1)
-        kwargs: dict[str, Any] = {}
         forward = unwrapped(self.model).forward
+        heads = [prompts[i][:-1] for i in firsts]
+        groups = prefix_groups(heads)
+        if _accepts(forward, "position_ids") and worth_sharing(groups, heads):
+            cache, ids, mask = self._prefill_prefixes(heads, groups, input_ids.device)
+            last = input_ids[firsts, -1:]  # (D, 1): generate's own prefill runs these
+            input_ids = torch.cat([ids, last], dim=1)[rows]
+            attention_mask = torch.cat([mask, torch.ones_like(last)], dim=1)[rows]
+        else:
+            ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]  # (D, P - 1)
+            cache = self._forward_into(_empty_cache(self.model), ids, mask)
+        once = self.prompt_once and len(firsts) < len(rows)
+        index = torch.tensor(rows, device=ids.device)
+        if once and reads_prompt_once(self.model, self.autocast_dtype, cache):
+            return shared_prefix(cache, index), input_ids, attention_mask
+        cache.batch_select_indices(index)  # (N, ...) rows
+        # decoding appends in place (atgrpo.generation.cache)
+        return growing(cache), input_ids, attention_mask
+
+    def _prefill_prefixes(
+        self, heads: list[list[int]], groups: list[Group], device: torch.device
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:  # D rows of L + S tokens, (D, L + S)
+        """Each group's prefix in one pass, then every prompt's rest over a copy of its group's
+        keys and values (:mod:`atgrpo.generation.prefixes`)."""
+        blocks = two_blocks(heads, groups, self.pad_id)
+        prefix_ids, group_of = blocks.prefix_ids.to(device), blocks.group_of.to(device)
+        cache = self._forward_into(
+            _empty_cache(self.model), prefix_ids, blocks.prefix_mask.to(device)
+        )
+        cache.batch_select_indices(group_of)  # (D, ...): each prompt's group's prefix
+        rest, mask = blocks.rest_ids.to(device), blocks.mask.to(device)
+        if rest.shape[1]:
+            cache = self._forward_into(cache, rest, mask)
+        return cache, torch.cat([prefix_ids[group_of], rest], dim=1), mask
+
+    def _forward_into(
+        self,
+        cache: DynamicCache,
+        ids: torch.Tensor,  # (D, T): the tokens to add to the cache
+        mask: torch.Tensor,  # (D, cached + T): the cached tokens' and these
+    ) -> DynamicCache:
+        """Run ``ids`` through the model into ``cache``, at the positions the mask gives."""
+        forward = unwrapped(self.model).forward
+        kwargs: dict[str, Any] = {cache_kwarg(forward): cache}
         if _accepts(forward, "position_ids"):  # generate passes them only then, too
-            kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            kwargs["position_ids"] = positions(mask)[:, -ids.shape[1] :]
         if _accepts(forward, "logits_to_keep"):  # the logits are not needed: compute one
             kwargs["logits_to_keep"] = 1
-        cache = _empty_cache(self.model)
-        kwargs[cache_kwarg(forward)] = cache
         self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
-        once = self.prompt_once and len(firsts) < len(rows)
-        if once and reads_prompt_once(self.model, self.autocast_dtype, cache):
-            return shared_prefix(cache, torch.tensor(rows, device=ids.device))
-        cache.batch_select_indices(torch.tensor(rows, device=ids.device))  # (N, ...) rows
-        return growing(cache)  # decoding appends in place (atgrpo.generation.cache)
+        return cache
 
 
 def reads_prompt_once(model: Any, autocast_dtype: torch.dtype | None, cache: DynamicCache) -> bool:
