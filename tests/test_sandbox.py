@@ -235,8 +235,11 @@ def test_background_processes_die_with_the_program(backend: Backend, sandbox_tmp
 
 def test_memory_bomb_is_contained(backend: Backend) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))\n", FAST)
-    assert r.status in (ExitStatus.KILLED, ExitStatus.ERROR)
+    # Time limits far above what the bomb needs (a second at most): a loaded machine zeroes
+    # 512 MB slowly, and this test is about memory, not time (CI once timed out at 2 s).
+    limits = SandboxLimits(wall_time_s=30.0, cpu_time_s=20)
+    r = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 2**20))\n", limits)
+    assert r.status in (ExitStatus.KILLED, ExitStatus.ERROR), r
     if r.status is ExitStatus.ERROR:
         assert "MemoryError" in r.stderr
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB
