@@ -370,6 +370,10 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     spec["record_dir"] = str(tmp_path / "kept")
     path.write_text(yaml.safe_dump(spec))
     assert main(["compare", str(path), "--train"]) == 0
+    out = capsys.readouterr().out
+    # each run's cells are evaluated as soon as it is recorded, before the table is made
+    trained_at, table_at = out.index("evaluated MAS + AT-GRPO | seed 0"), out.index("[1/3]")
+    assert trained_at < out.index("evaluated swapped | seed 0") < table_at
     table = (tmp_path / "grid" / "table.csv").read_text()
     kept = tmp_path / "kept" / "runs" / "plan-path-4x4" / "mas-at-grpo" / "seed0"
     record = json.loads((kept / "record.json").read_text())
@@ -384,6 +388,14 @@ def test_a_recorded_grid_finishes_its_table_where_the_run_folders_are_gone(
     assert len(list((tmp_path / "grid" / "evals").rglob("*-samples.jsonl"))) == 3
 
     assert main(["groups", str(kept)]) == 0  # the group statistics, from the record
+    from atgrpo.experiments.runs import train_grid
+
+    trained = [p for p in evals if "no-training" not in str(p)]
+    for p in trained:  # as if --train had been stopped between recording and evaluating
+        p.unlink()
+    seen: list[str] = []
+    train_grid(load_comparison(path), on_eval=lambda spec, row, report: seen.append(row))
+    assert seen == ["MAS + AT-GRPO", "swapped"] and all(p.is_file() for p in trained)
     shutil.rmtree(tmp_path / "grid")  # another machine: the records alone
     capsys.readouterr()
     assert main(["compare", str(path), "--status"]) == 0

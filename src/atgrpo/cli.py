@@ -375,7 +375,13 @@ def _train_comparison(comparison: Any) -> int:
         else:
             console.print(f"  trained {name} in {what}")
 
-    statuses = train_grid(comparison, on_status)
+    def on_eval(spec: Any, row: str, report: Any) -> None:
+        console.print(
+            f"  evaluated {escape(row)} | seed {spec.seed}: success {report.success_rate:.1%} "
+            f"on {report.num_tasks} tasks (kept in the records)"
+        )
+
+    statuses = train_grid(comparison, on_status, on_eval)
     done = sum(st.finished for st in statuses)
     console.print(f"runs: {len(statuses)} planned, {done} were already finished")
     return busy

@@ -459,14 +459,8 @@ def run_comparison(
                 if not cache:
                     reports.append(evaluate(cfg, checkpoint, comparison.split))
                     continue
-                path = _cache_path(comparison, method, bench, seed)
-                beside = _cache_path(comparison, method, bench, seed, records=False)
-                samples = beside if beside != path else None
-                reports.append(
-                    cached_evaluation(
-                        evaluate, cfg, checkpoint, comparison.split, path, samples, weights
-                    )
-                )
+                where = (method, bench, seed)
+                reports.append(_cached_cell(comparison, where, checkpoint, weights, evaluate))
             names = [str(c or "") for c in runs.checkpoints]
             seconds = [t for t in runs.train_seconds if t is not None]
             cell = TableCell(
@@ -483,6 +477,41 @@ def run_comparison(
             if on_cell is not None:
                 on_cell(cell)
     return cells
+
+
+def _cached_cell(
+    comparison: Comparison,
+    where: tuple[Method, BenchmarkSpec, int],
+    checkpoint: Path | None,
+    weights: str | None,
+    evaluate: Evaluator,
+) -> EvalReport:
+    """One seed of a cell (``where``: method, benchmark, seed), through the evaluation cache."""
+    method, bench, seed = where
+    cfg = cell_config(comparison, method, bench)
+    path = _cache_path(comparison, method, bench, seed)
+    beside = _cache_path(comparison, method, bench, seed, records=False)
+    samples = beside if beside != path else None
+    return cached_evaluation(evaluate, cfg, checkpoint, comparison.split, path, samples, weights)
+
+
+def evaluate_run(
+    comparison: Comparison, spec: RunSpec, evaluate: Evaluator = evaluate_cell
+) -> list[tuple[str, EvalReport]]:
+    """Every cell that reads a finished run (its own row and the rows with ``runs_of`` it),
+    evaluated now and cached: a grid that keeps records evaluates each run while its
+    checkpoint is still on the machine. The (row label, report) pairs, in table order."""
+    run = trained_run(comparison, spec)
+    readers = [
+        m
+        for m in comparison.methods
+        if m.label == spec.method.label or m.runs_of == spec.method.label
+    ]
+    where = [(m, spec.bench, spec.seed) for m in readers]
+    return [
+        (w[0].label, _cached_cell(comparison, w, run.checkpoint, run.weights, evaluate))
+        for w in where
+    ]
 
 
 def _cache_path(

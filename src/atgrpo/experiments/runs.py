@@ -26,9 +26,11 @@ from pathlib import Path
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.config import dump_config
+from atgrpo.training.evaluation import EvalReport
 from atgrpo.experiments.compare import (
     Comparison,
     RunSpec,
+    evaluate_run,
     finished_checkpoint,
     planned_runs,
     record_run,
@@ -124,12 +126,15 @@ def _forwarding_signals(child: subprocess.Popen[bytes]) -> Iterator[None]:
 
 
 def train_grid(
-    comparison: Comparison, on_status: Callable[[RunStatus, str], None] | None = None
+    comparison: Comparison,
+    on_status: Callable[[RunStatus, str], None] | None = None,
+    on_eval: Callable[[RunSpec, str, EvalReport], None] | None = None,
 ) -> list[RunStatus]:
-    """Train every run that is not finished, in plan order, recording each finished run when
-    the comparison keeps records; the statuses before training. A run another ``--train`` of
-    the same grid is training is left to it (``on_status(..., "busy")``), so several processes
-    share one grid."""
+    """Train every run that is not finished, in plan order; the statuses before training. A
+    run another ``--train`` of the same grid is training is left to it (``on_status(...,
+    "busy")``), so several processes share one grid. When the comparison keeps records, each
+    finished run is recorded and its cells evaluated at once (``on_eval(spec, row, report)``):
+    the checkpoint may be gone by the time the table is made, on another machine."""
     report = on_status or (lambda status, what: None)
     statuses = grid_status(comparison)
     for status in statuses:
@@ -146,7 +151,10 @@ def train_grid(
                 seconds = train_run(comparison, now, log)
                 report(run_status(status.spec), f"{seconds:.0f} s")
             if (final := finished_checkpoint(status.spec)) is not None:
-                record_run(comparison, status.spec, final)
+                if record_run(comparison, status.spec, final) is not None:
+                    for row, evaluation in evaluate_run(comparison, status.spec):
+                        if on_eval is not None:
+                            on_eval(status.spec, row, evaluation)
     return statuses
 
 
