@@ -26,7 +26,6 @@ from pathlib import Path
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.config import dump_config
-from atgrpo.training.evaluation import EvalReport
 from atgrpo.experiments.compare import (
     Comparison,
     RunSpec,
@@ -37,6 +36,7 @@ from atgrpo.experiments.compare import (
     recorded_run,
     slug,
 )
+from atgrpo.training.evaluation import EvalReport
 
 
 class RunFailedError(RuntimeError):
@@ -136,6 +136,7 @@ def train_grid(
     finished run is recorded and its cells evaluated at once (``on_eval(spec, row, report)``):
     the checkpoint may be gone by the time the table is made, on another machine."""
     report = on_status or (lambda status, what: None)
+    evaluated = on_eval or (lambda spec, row, evaluation: None)
     statuses = grid_status(comparison)
     for status in statuses:
         if status.state == "recorded":
@@ -150,11 +151,10 @@ def train_grid(
                 log = status.spec.run_dir.parent / f"seed{status.spec.seed}.log"
                 seconds = train_run(comparison, now, log)
                 report(run_status(status.spec), f"{seconds:.0f} s")
-            if (final := finished_checkpoint(status.spec)) is not None:
-                if record_run(comparison, status.spec, final) is not None:
-                    for row, evaluation in evaluate_run(comparison, status.spec):
-                        if on_eval is not None:
-                            on_eval(status.spec, row, evaluation)
+            final = finished_checkpoint(status.spec)
+            if final is not None and record_run(comparison, status.spec, final) is not None:
+                for row, evaluation in evaluate_run(comparison, status.spec):
+                    evaluated(status.spec, row, evaluation)
     return statuses
 
 
