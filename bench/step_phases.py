@@ -6,7 +6,11 @@ seconds) and in the update the prompts' forward and backward, the response micro
 forward, loss and backward, and the optimizer step; plus the minor page faults of each step
 (a step that still faults in new pages is not settled).
 
-    .venv/bin/python bench/step_phases.py --steps 5
+    .venv/bin/python bench/step_phases.py --steps 5 [--repeat-kv]
+
+``--repeat-kv`` runs masked grouped-query attention through transformers' ``repeat_kv`` copies,
+as atgrpo did before it attended the grouped heads in place (atgrpo.attention): alternate runs
+with and without it to measure that change inside a step.
 """
 
 from __future__ import annotations
@@ -71,9 +75,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--repeat-kv", action="store_true", help="attention before in-place GQA")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     instrument()
+    if args.repeat_kv:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        import atgrpo.attention as attention
+
+        attention._cpu_sdpa = sdpa_attention_forward
     from atgrpo.attention import float32_attention
 
     step = bench_step.AtgrpoStep(

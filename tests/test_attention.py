@@ -123,3 +123,66 @@ def test_the_probe_times_each_kernel_in_its_own_dtype_under_autocast(
         attention.probe.cache_clear()
     assert {dtype for dtype, _ in seen} == {torch.float32, torch.bfloat16}
     assert not any(autocast_on for _, autocast_on in seen)
+
+
+def _masked_qkv(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Queries over a prompt prefix and themselves, one row left-padded (its first queries see
+    nothing at all), with gradients."""
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype))
+    mask = torch.ones(2, 1, 5, 9, dtype=torch.bool)
+    mask[..., 4:] = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask[0, ..., :2] = False
+    mask[0, :, :2] = False
+    return [q, k, v, mask]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_grouped_heads_are_attended_in_place_with_transformers_values(
+    dtype: torch.dtype, choice: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a mask and several queries, transformers copies each key/value head per query head
+    (repeat_kv); atgrpo passes the grouped heads to SDPA (enable_gqa): the same outputs and
+    gradients up to float rounding."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    choice("bf16")  # bf16 inputs stay bf16: both paths compute in the inputs' dtype
+    q, k, v, mask = _masked_qkv(dtype)
+    results = []
+    for attend in (sdpa_attention_forward, fp32_sdpa_on_cpu):
+        out, _ = attend(_Module(), q, k, v, mask, scaling=0.25)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        results.append([out, *grads])
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for stock, ours in zip(*results, strict=True):
+        assert ours.shape == stock.shape and ours.dtype == stock.dtype
+        torch.testing.assert_close(ours.float(), stock.float(), **tol)
+
+    seen: list[object] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(kwargs.get("enable_gqa"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    fp32_sdpa_on_cpu(_Module(), q, k, v, mask)
+    assert seen == [True]  # the grouped heads themselves, not repeat_kv's copies
+
+
+def test_a_model_with_grouped_heads_gives_the_same_logits_and_gradients_with_a_mask() -> None:
+    """The tiny model (4 query / 2 key-value heads), left-padded: atgrpo's attention against
+    transformers' SDPA, logits and every parameter's gradient."""
+    model, _ = load_model(TINY_MODEL, device="cpu")
+    stock, _ = load_model(TINY_MODEL, device="cpu", attention="sdpa")
+    stock.load_state_dict(model.state_dict())
+    ids = torch.tensor([[0, 0, 5, 9, 3, 7], [1, 4, 5, 2, 8, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    logits = []
+    for m in (model, stock):
+        out = m(input_ids=ids, attention_mask=mask).logits
+        out.square().mean().backward()
+        logits.append(out.detach())
+    torch.testing.assert_close(logits[0], logits[1])
+    ours = dict(model.named_parameters())
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-5, atol=1e-6)

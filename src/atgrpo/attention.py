@@ -24,6 +24,15 @@ faster (under 0.8x float32's time), else float32, unless ``ATGRPO_CPU_ATTENTION`
 ``float32`` or ``bf16``. Generation and update use the same choice, so the recorded log-probs
 are those of the distribution sampled from; pin it with the variable where runs must be
 bit-identical across processes (a resumed run on a machine where the two are close).
+
+Grouped-query heads are attended in place on CPU: with a mask and more than one query token
+(a prefill, an update's prompts and responses) transformers repeats each key/value head for
+its query heads (``repeat_kv``: a copy of the keys and values per query head, and in the
+backward a sum over the copies), because CUDA's masked SDPA kernels need it; PyTorch's CPU
+kernel takes the grouped heads as they are (``enable_gqa``). Same values up to float rounding
+(the tests compare both, gradients too); at an update's response shape (8 answers of 47
+tokens over 244 keys, 9 query / 3 key-value heads) a forward and backward takes 2.3x less
+time in float32 and 1.3x less in bf16 (1 thread, bench/bench_attention.py).
 """
 
 from __future__ import annotations
@@ -106,18 +115,47 @@ def fp32_sdpa_on_cpu(
 
     if (layer := getattr(key, HELD_PROMPT, None)) is not None:  # decoding over prompts held once
         return layer.attend(query, key, value, attention_mask, kwargs.get("scaling")), None
+    if query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     half = any(t.dtype in (torch.bfloat16, torch.float16) for t in (query, key, value))
-    if query.device.type != "cpu" or not (half or torch.is_autocast_enabled("cpu")):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if not float32_attention():  # this CPU's bf16 kernel is the faster one
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if not (half or torch.is_autocast_enabled("cpu")) or not float32_attention():
+        return _cpu_sdpa(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()  # an additive mask must match the query's dtype
     with torch.autocast("cpu", enabled=False):  # autocast would cast the inputs back to bf16
-        out, weights = sdpa_attention_forward(
+        out, weights = _cpu_sdpa(
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs
         )
     return out.to(value.dtype), weights
+
+
+def _cpu_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (B, heads, Q, head_dim)
+    key: torch.Tensor,  # (B, kv_heads, K, head_dim)
+    value: torch.Tensor,  # (B, kv_heads, K, head_dim)
+    attention_mask: torch.Tensor | None,  # (B, 1, Q, K) bool or additive
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:  # (B, Q, heads, head_dim)
+    """transformers' SDPA attention, except that a masked attention of several queries over
+    grouped key/value heads runs on the grouped heads in place (``enable_gqa``; see the module
+    docstring) instead of on ``repeat_kv``'s copies."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    if not (grouped and plain and attention_mask is not None and query.shape[2] > 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> str:
