@@ -31,8 +31,9 @@ its query heads (``repeat_kv``: a copy of the keys and values per query head, an
 backward a sum over the copies), because CUDA's masked SDPA kernels need it; PyTorch's CPU
 kernel takes the grouped heads as they are (``enable_gqa``). Same values up to float rounding
 (the tests compare both, gradients too); at an update's response shape (8 answers of 47
-tokens over 244 keys, 9 query / 3 key-value heads) a forward and backward takes 2.3x less
-time in float32 and 1.3x less in bf16 (1 thread, bench/bench_attention.py).
+tokens over 244 keys, 9 query / 3 key-value heads) a forward and backward takes 1.5-1.8x
+less time in float32 and is level in bf16 (0.9-1.7x over runs; 1 thread, 2-core AMD EPYC,
+bench/bench_attention.py).
 """
 
 from __future__ import annotations
