@@ -502,15 +502,15 @@ def evaluate_run(
     evaluated now and cached: a grid that keeps records evaluates each run while its
     checkpoint is still on the machine. The (row label, report) pairs, in table order."""
     run = trained_run(comparison, spec)
-    readers = [
-        m
-        for m in comparison.methods
-        if m.label == spec.method.label or m.runs_of == spec.method.label
-    ]
-    where = [(m, spec.bench, spec.seed) for m in readers]
+    readers = (m for m in comparison.methods if spec.method.label in (m.label, m.runs_of))
     return [
-        (w[0].label, _cached_cell(comparison, w, run.checkpoint, run.weights, evaluate))
-        for w in where
+        (
+            m.label,
+            _cached_cell(
+                comparison, (m, spec.bench, spec.seed), run.checkpoint, run.weights, evaluate
+            ),
+        )
+        for m in readers
     ]
 
 
