@@ -42,6 +42,16 @@ def test_rates_split_by_whether_the_tool_was_right() -> None:
     assert s["tool_programs"] == [('print("DR")', 3)]
 
 
+def test_sokoban_samples_are_read_by_their_moves_and_solved() -> None:
+    records = _turn(0, "LU", "LU", goal="LU") + _turn(1, None, "R", goal="U")
+    for r in records:
+        r["instance_key"] = "sokoban:######/#P.T.#"
+        r["info"] = {"moves": r["info"]["moves"], "solved": r["info"]["plan_reaches_goal"]}
+    s = tool_use(records).summary()
+    assert s["tool_valid"] == 0.5 and s["tool_right"] == 0.5 and s["actor_right"] == 0.5
+    assert s["actor_is_tool_when_tool_right"] == 1.0
+
+
 def test_unknown_agents_and_keys_are_one_line_errors() -> None:
     records = _turn(0, "DR", "DR", goal="DR")
     with pytest.raises(ValueError, match="no samples of agent 'coder'"):

@@ -21,7 +21,11 @@ from atgrpo.training.metrics import read_metrics
 
 # (answer key, right key) of the env families' info, by the env's instance_key prefix; an env
 # not listed is recognised by the keys its samples have.
-KNOWN_KEYS = {"plan_path": ("moves", "plan_reaches_goal"), "math": ("answer", "correct")}
+KNOWN_KEYS = {
+    "plan_path": ("moves", "plan_reaches_goal"),
+    "sokoban": ("moves", "solved"),  # the tool's "solved": its moves applied to a copy
+    "math": ("answer", "correct"),
+}
 TOP = 5  # most common tool answers / programs listed
 
 
