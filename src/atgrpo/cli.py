@@ -706,8 +706,8 @@ def _add_tool_use(sub: _Commands) -> None:
     p.add_argument(
         "--keys",
         metavar="ANSWER,RIGHT",
-        help="the info keys of an answer and of its being right (default by env: Plan-Path "
-        "moves,plan_reaches_goal; Sokoban moves,solved; math answer,correct)",
+        help="the info keys of an answer and of its being right (default: those of the "
+        "samples' env, Plan-Path, Sokoban or math; docs/cli.md lists them)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(func=cmd_tool_use)
