@@ -10,7 +10,8 @@ forward, loss and backward, and the optimizer step; plus the minor page faults o
 
 ``--repeat-kv`` runs masked grouped-query attention through transformers' ``repeat_kv`` copies,
 as atgrpo did before it attended the grouped heads in place (atgrpo.attention): alternate runs
-with and without it to measure that change inside a step.
+with and without it to measure that change inside a step. ``--micro-batch N`` sets the
+update's sequences per forward and backward (bench_step.py's is 8).
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--repeat-kv", action="store_true", help="attention before in-place GQA")
+    parser.add_argument(
+        "--micro-batch", type=int, default=bench_step.MICRO_BATCH, help="train.micro_batch_size"
+    )
     args = parser.parse_args()
+    bench_step.MICRO_BATCH = args.micro_batch
     torch.set_num_threads(args.threads)
     instrument()
     if args.repeat_kv:
