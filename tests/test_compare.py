@@ -16,7 +16,9 @@ from atgrpo.experiments.compare import (
     Comparison,
     Method,
     TableCell,
+    Difference,
     cell_config,
+    difference_rows,
     load_comparison,
     markdown_table,
     run_comparison,
@@ -99,6 +101,30 @@ def test_a_row_is_compared_with_its_versus_row(tmp_path: Path) -> None:
                 ],
             }
         )
+
+
+def test_further_differences_get_a_table_of_their_own(tmp_path: Path) -> None:
+    cells = [
+        _cell("Single agent", "Arith", 0.0),
+        _cell("MAS", "Arith", 0.27),
+        _cell("MAS + AT-GRPO", "Arith", 0.55, 0.61),
+    ]
+    pairs = [Difference(method="MAS + AT-GRPO", versus="MAS")]
+    header, rows = difference_rows(cells, pairs)
+    assert header == ["Method", "against", "Arith"]
+    assert rows[0][:2] == ["MAS + AT-GRPO", "MAS"] and rows[0][2].startswith("+31.0 [+")
+    _, main = table_rows(cells)
+    assert main[2][2].split("; ")[1] != rows[0][2]  # the main table stays against the first row
+    md_path, _ = write_tables(cells, tmp_path, pairs)
+    assert f"| MAS + AT-GRPO | MAS | {rows[0][2]} |" in md_path.read_text()
+    assert "Further differences" not in markdown_table(cells)
+    raw = {"benchmarks": [{"name": "Arith"}], "methods": [{"label": "a", "config": "c.yaml"}]}
+    for pair, error in [
+        ({"method": "a", "versus": "b"}, r"differences\.0\.versus: no method is labelled 'b'"),
+        ({"method": "a", "versus": "a"}, r"differences\.0: a row against itself"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            Comparison.model_validate({**raw, "differences": [pair]})
 
 
 def test_csv_has_pass_at_k_columns_when_sampled(tmp_path: Path) -> None:
@@ -234,6 +260,10 @@ def test_compare_produces_the_plan_path_table_with_the_tiny_model(
     assert len(rows) == 6 and rows[0]["delta"] == "0.00"
     assert {r["num_tasks"] for r in rows} == {"2"} and {r["split"] for r in rows} == {"test"}
     assert rows[1]["checkpoints"].endswith("step-000001") and rows[0]["checkpoints"] == ""
+    assert "further differences" in out  # the file's differences: printed and in table.md
+    assert md[md.index("| Method | against | Plan-Path 4x4 |") + 2].startswith(
+        "| MAS + AT-GRPO (per-role LoRA), policies swapped | MAS + AT-GRPO (per-role LoRA) | "
+    )
 
 
 def _grid_file(tmp_path: Path, seeds: list[int]) -> Path:

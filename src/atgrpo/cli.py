@@ -388,10 +388,9 @@ def _train_comparison(comparison: Any) -> int:
 
 
 def _evaluate_comparison(comparison: Any) -> int:
-    from rich.table import Table
-
     from atgrpo.experiments.compare import (
         TableCell,
+        difference_rows,
         run_comparison,
         table_rows,
         write_curves,
@@ -414,21 +413,29 @@ def _evaluate_comparison(comparison: Any) -> int:
             console.print(f"  [yellow]{escape(cell.report.note)}[/]")
 
     cells = run_comparison(comparison, on_cell=on_cell)
-    header, rows = table_rows(cells)
-    table = Table(
-        title=f"success % [95 % interval] on {comparison.split.value} tasks; "
-        "difference to the first row"
-    )
-    for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*(escape(x) for x in row))
-    console.print(table)
-    md, csv_path = write_tables(cells, out)
+    split = comparison.split.value
+    title = f"success % [95 % interval] on {split} tasks; difference to the first row"
+    console.print(_rich_table(title, *table_rows(cells), left=1))
+    if comparison.differences:
+        title = "further differences, points [95 % interval, paired over tasks]"
+        console.print(_rich_table(title, *difference_rows(cells, comparison.differences), left=2))
+    md, csv_path = write_tables(cells, out, comparison.differences)
     console.print(f"tables: {escape(str(md))}  {escape(str(csv_path))}")
     if (curves := write_curves(comparison)) is not None:
         console.print(f"learning curves: {escape(str(curves))}")
     return 0
+
+
+def _rich_table(title: str, header: list[str], rows: list[list[str]], left: int) -> Any:
+    """A console table; its first ``left`` columns (the row names) aligned left."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i < left else "right")
+    for row in rows:
+        table.add_row(*(escape(x) for x in row))
+    return table
 
 
 def cmd_models(args: argparse.Namespace) -> int:

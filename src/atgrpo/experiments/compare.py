@@ -32,7 +32,7 @@ import csv
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,11 @@ class Method(_Strict):
         return self
 
 
+class Difference(_Strict):
+    method: str = Field(description="The label of a row.")
+    versus: str = Field(description="The label of the row its paired difference is against.")
+
+
 class Comparison(_Strict):
     output_dir: str = Field("runs/compare", description="Where table.md and table.csv go.")
     split: Split = Field(Split.TEST, description="Held-out split of every evaluation.")
@@ -118,6 +123,14 @@ class Comparison(_Strict):
     )
     benchmarks: list[BenchmarkSpec] = Field(min_length=1, description="Columns.")
     methods: list[Method] = Field(min_length=1, description="Rows; the first is the baseline.")
+    differences: list[Difference] = Field(
+        default_factory=list,
+        description=(
+            "Further paired differences, in a table of their own below the main one: each a "
+            "row against another row (e.g. per-role against MAS untrained as well as against "
+            "its own versus)."
+        ),
+    )
     record_dir: str | None = Field(
         None,
         description=(
@@ -145,6 +158,17 @@ class Comparison(_Strict):
                 raise ValueError(f"methods.{i}.versus: no other method is labelled {m.versus!r}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds repeat a seed: {self.seeds}")
+        return self
+
+    @model_validator(mode="after")
+    def _differences_name_rows(self) -> Comparison:
+        labels = {m.label for m in self.methods}
+        for i, d in enumerate(self.differences):
+            for key in ("method", "versus"):
+                if (label := getattr(d, key)) not in labels:
+                    raise ValueError(f"differences.{i}.{key}: no method is labelled {label!r}")
+            if d.method == d.versus:
+                raise ValueError(f"differences.{i}: a row against itself ({d.method!r})")
         return self
 
 
@@ -555,15 +579,48 @@ def table_rows(cells: list[TableCell]) -> tuple[list[str], list[list[str]]]:
             versus = _baseline(cell, methods)
             text = cell.interval().percent()
             if versus != method:
-                d = _delta(cell, grid[(versus, bench)])
-                text += f"; {100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+                text += "; " + _points(_delta(cell, grid[(versus, bench)]))
                 text += f" vs {versus}" if cell.versus else ""
             row.append(text)
         rows.append(row)
     return ["Method", "seeds", *benchmarks], rows
 
 
-def markdown_table(cells: list[TableCell]) -> str:
+def difference_rows(
+    cells: list[TableCell], differences: Sequence[Difference]
+) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the further differences: each pair on each benchmark, in points with
+    its 95 % interval paired over tasks."""
+    _, benchmarks, grid = _grid(cells)
+    rows = []
+    for d in differences:
+        row = [d.method, d.versus]
+        for bench in benchmarks:
+            delta = _delta(grid[(d.method, bench)], grid[(d.versus, bench)])
+            row.append(_points(delta))
+        rows.append(row)
+    return ["Method", "against", *benchmarks], rows
+
+
+def _points(d: Interval) -> str:
+    return f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
+
+
+def _difference_lines(cells: list[TableCell], differences: Sequence[Difference]) -> list[str]:
+    if not differences:
+        return []
+    header, rows = difference_rows(cells, differences)
+    return [
+        "",
+        "Further differences, points [95 % interval, paired over tasks]:",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def markdown_table(cells: list[TableCell], differences: Sequence[Difference] = ()) -> str:
     header, rows = table_rows(cells)
     first = cells[0].report
     sampling = f"avg@{first.samples_per_task} (sampled)" if first.samples_per_task > 1 else "greedy"
@@ -578,6 +635,7 @@ def markdown_table(cells: list[TableCell]) -> str:
         "row named after 'vs') in points with its 95 % interval (paired over tasks). An "
         "interval that contains 0 does not show a difference.",
     ]
+    lines += _difference_lines(cells, differences)
     lines += _time_lines(cells)
     # A benchmark with fewer distinct tasks than asked for says so (same tasks in every row).
     notes = dict.fromkeys(f"{c.benchmark}: {c.report.note}" for c in cells if c.report.note)
@@ -684,9 +742,11 @@ def write_curves(comparison: Comparison) -> Path | None:
     return plot_curves(trained_runs(comparison), Path(comparison.output_dir) / "curves.png")
 
 
-def write_tables(cells: list[TableCell], output_dir: Path) -> tuple[Path, Path]:
+def write_tables(
+    cells: list[TableCell], output_dir: Path, differences: Sequence[Difference] = ()
+) -> tuple[Path, Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
     md, table_csv = output_dir / "table.md", output_dir / "table.csv"
-    md.write_text(markdown_table(cells), encoding="utf-8")
+    md.write_text(markdown_table(cells, differences), encoding="utf-8")
     write_csv(cells, table_csv)
     return md, table_csv
