@@ -14,9 +14,9 @@ from atgrpo.envs import Split
 from atgrpo.experiments.compare import (
     BenchmarkSpec,
     Comparison,
+    Difference,
     Method,
     TableCell,
-    Difference,
     cell_config,
     difference_rows,
     load_comparison,
