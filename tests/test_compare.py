@@ -260,7 +260,7 @@ def test_compare_produces_the_plan_path_table_with_the_tiny_model(
     assert len(rows) == 6 and rows[0]["delta"] == "0.00"
     assert {r["num_tasks"] for r in rows} == {"2"} and {r["split"] for r in rows} == {"test"}
     assert rows[1]["checkpoints"].endswith("step-000001") and rows[0]["checkpoints"] == ""
-    assert "further differences" in out  # the file's differences: printed and in table.md
+    assert "Further differences" in out  # the file's differences: printed and in table.md
     assert md[md.index("| Method | against | Plan-Path 4x4 |") + 2].startswith(
         "| MAS + AT-GRPO (per-role LoRA), policies swapped | MAS + AT-GRPO (per-role LoRA) | "
     )

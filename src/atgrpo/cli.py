@@ -389,6 +389,7 @@ def _train_comparison(comparison: Any) -> int:
 
 def _evaluate_comparison(comparison: Any) -> int:
     from atgrpo.experiments.compare import (
+        DIFFERENCES_TITLE,
         TableCell,
         difference_rows,
         run_comparison,
@@ -417,8 +418,8 @@ def _evaluate_comparison(comparison: Any) -> int:
     title = f"success % [95 % interval] on {split} tasks; difference to the first row"
     console.print(_rich_table(title, *table_rows(cells), left=1))
     if comparison.differences:
-        title = "further differences, points [95 % interval, paired over tasks]"
-        console.print(_rich_table(title, *difference_rows(cells, comparison.differences), left=2))
+        rows = difference_rows(cells, comparison.differences)
+        console.print(_rich_table(DIFFERENCES_TITLE, *rows, left=2))
     md, csv_path = write_tables(cells, out, comparison.differences)
     console.print(f"tables: {escape(str(md))}  {escape(str(csv_path))}")
     if (curves := write_curves(comparison)) is not None:

@@ -602,6 +602,9 @@ def difference_rows(
     return ["Method", "against", *benchmarks], rows
 
 
+DIFFERENCES_TITLE = "Further differences, points [95 % interval, paired over tasks]"
+
+
 def _points(d: Interval) -> str:
     return f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]"
 
@@ -612,7 +615,7 @@ def _difference_lines(cells: list[TableCell], differences: Sequence[Difference])
     header, rows = difference_rows(cells, differences)
     return [
         "",
-        "Further differences, points [95 % interval, paired over tasks]:",
+        DIFFERENCES_TITLE + ":",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
