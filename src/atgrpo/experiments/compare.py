@@ -612,11 +612,12 @@ def _points(d: Interval) -> str:
 def _difference_lines(cells: list[TableCell], differences: Sequence[Difference]) -> list[str]:
     if not differences:
         return []
-    header, rows = difference_rows(cells, differences)
+    return ["", DIFFERENCES_TITLE + ":", "", *_markdown_rows(*difference_rows(cells, differences))]
+
+
+def _markdown_rows(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: header, rule, rows."""
     return [
-        "",
-        DIFFERENCES_TITLE + ":",
-        "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
         *("| " + " | ".join(row) + " |" for row in rows),
@@ -624,13 +625,10 @@ def _difference_lines(cells: list[TableCell], differences: Sequence[Difference])
 
 
 def markdown_table(cells: list[TableCell], differences: Sequence[Difference] = ()) -> str:
-    header, rows = table_rows(cells)
     first = cells[0].report
     sampling = f"avg@{first.samples_per_task} (sampled)" if first.samples_per_task > 1 else "greedy"
     lines = [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
+        *_markdown_rows(*table_rows(cells)),
         "",
         f"Success rate (%) on {first.num_tasks} {first.split} tasks per benchmark ({sampling}), "
         "mean over the seeds, with its 95 % interval (one seed: Wilson over tasks; several: "
