@@ -87,3 +87,53 @@ def test_a_converted_default_model_needs_no_package(
 
     monkeypatch.setattr(models, "gguf_source", missing)
     assert models.prepare_default_model() == target
+
+
+@pytest.mark.parametrize(
+    ("bf16_ms", "takes_bf16"), [(1.0, True), (1.7, False), (2.0, False), (3.0, False)]
+)
+def test_auto_precision_takes_bf16_on_cpu_only_where_clearly_faster(
+    monkeypatch: pytest.MonkeyPatch, bf16_ms: float, takes_bf16: bool
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "cpu_bf16_native", lambda: True)
+    monkeypatch.setattr(
+        models, "cpu_precision_probe", lambda: {"float32_ms": 2.0, "bf16_ms": bf16_ms}
+    )
+    assert models.bf16_supported() is takes_bf16
+
+
+def test_auto_precision_is_fp32_on_a_cpu_without_bf16_instructions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_probe() -> dict[str, float]:
+        raise AssertionError("the probe must not run where bf16 would be emulated")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "cpu_bf16_native", lambda: False)
+    monkeypatch.setattr(models, "cpu_precision_probe", no_probe)
+    assert models.bf16_supported() is False
+
+
+def test_the_precision_probe_times_float32_and_bf16_autocast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[bool, torch.dtype]] = []
+    linear = torch.nn.functional.linear
+
+    def recording(x: torch.Tensor, w: torch.Tensor, *args: object) -> torch.Tensor:
+        out = linear(x, w, *args)
+        seen.append((torch.is_autocast_enabled("cpu"), out.dtype))
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recording)
+    models.cpu_precision_probe.cache_clear()
+    try:
+        timings = models.cpu_precision_probe()
+    finally:
+        models.cpu_precision_probe.cache_clear()
+    assert set(timings) == {"float32_ms", "bf16_ms"}
+    assert all(t > 0 for t in timings.values())
+    assert set(seen) == {(False, torch.float32), (True, torch.bfloat16)}
+    calls = (models._PROBE_ROUNDS + 1) * len(models._PROBE_SHAPES)
+    assert seen.count((True, torch.bfloat16)) == seen.count((False, torch.float32)) == calls

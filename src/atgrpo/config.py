@@ -59,7 +59,9 @@ class AdamWImpl(enum.StrEnum):
 
 
 class Precision(enum.StrEnum):
-    AUTO = "auto"  # bf16 autocast over fp32 master weights where the CPU/GPU supports bf16
+    AUTO = (
+        "auto"  # bf16 autocast over fp32 master weights where it is faster (models.bf16_supported)
+    )
     FP32 = "fp32"
     BF16_AUTOCAST = "bf16_autocast"
 
@@ -118,8 +120,11 @@ class ModelConfig(_Section):
         Precision.AUTO,
         description=(
             "fp32 master weights; bf16 autocast where supported. auto: bf16 autocast on a GPU "
-            "with bf16 or a CPU with AVX512-BF16 / AMX, else fp32 (an AVX2-only CPU emulates "
-            "bf16 matmuls: a forward 5-8x slower than in fp32, docs/results.md)."
+            "with bf16, or on a CPU with AVX512-BF16 / AMX where a start-up probe finds a bf16 "
+            "linear layer clearly faster (under 0.8x) than a float32 one, else fp32 (an "
+            "AVX2-only CPU emulates bf16: a forward 5-8x slower; an AVX512-BF16 Xeon without "
+            "AMX ran bf16 matmuls at half the fp32 rate; docs/results.md). Pin fp32 or "
+            "bf16_autocast where runs must match across machines."
         ),
     )
     gradient_checkpointing: bool = Field(False, description="Trade compute for activation memory.")

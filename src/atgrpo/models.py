@@ -15,11 +15,14 @@ The cache is ``$ATGRPO_CACHE`` if set, else ``$XDG_CACHE_HOME/atgrpo``, else ``~
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import re
 import shutil
+import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -236,14 +239,59 @@ def load_model(
 
 
 def bf16_supported() -> bool:
-    """bf16 autocast is worth it: a GPU with bf16, or a CPU with AVX512-BF16 / AMX."""
+    """Whether ``model.precision: auto`` takes bf16 autocast here: on a GPU with bf16; on a CPU
+    that computes bf16 natively (AVX512-BF16 or AMX) where :func:`cpu_precision_probe` finds a
+    linear layer under bf16 autocast clearly faster than in float32. Native bf16 is not enough:
+    on a 2-core Intel Xeon with AVX512-BF16 and no AMX a bf16 matmul ran at half the float32
+    rate (docs/results.md), where on a 2-core AMD EPYC bf16 was the faster one."""
     if torch.cuda.is_available():
         return bool(torch.cuda.is_bf16_supported())
+    if not cpu_bf16_native():
+        return False
+    timings = cpu_precision_probe()
+    return timings["bf16_ms"] < _BF16_MARGIN * timings["float32_ms"]
+
+
+def cpu_bf16_native() -> bool:
+    """The CPU has bf16 instructions (AVX512-BF16 or AMX); without them PyTorch emulates bf16
+    matmuls, several times slower than float32 ones."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# bf16 autocast is taken only when clearly faster: where the two are close, timing noise would
+# flip the choice from one process to the next (and float32 is the more exact of the two).
+_BF16_MARGIN = 0.8
+# (rows, in, out) of a linear layer's forward: a decode step's and an update micro-batch's MLP
+# up-projection in a small model (SmolLM2-135M: hidden 576, MLP 1536).
+_PROBE_SHAPES = ((32, 576, 1536), (384, 576, 1536))
+_PROBE_ROUNDS = 8
+
+
+@functools.cache
+def cpu_precision_probe() -> dict[str, float]:
+    """Median milliseconds of a linear layer's forward over float32 weights at
+    :data:`_PROBE_SHAPES` (summed), in float32 and under bf16 autocast (the weight's cast
+    included, as in training); the two alternate, so a load slows both alike. About 0.1-0.3 s,
+    once per process."""
+    g = torch.Generator().manual_seed(0)
+    layers = [
+        (torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g))
+        for rows, n_in, n_out in _PROBE_SHAPES
+    ]
+    times: dict[str, list[float]] = {"float32_ms": [], "bf16_ms": []}
+    with torch.no_grad():
+        for _ in range(_PROBE_ROUNDS + 1):
+            for name, bf16 in (("float32_ms", False), ("bf16_ms", True)):
+                start = time.perf_counter()
+                for x, w in layers:
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        torch.nn.functional.linear(x, w)
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}  # the first warms up
 
 
 def autocast_for(model: Any, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
