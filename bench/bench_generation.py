@@ -1,10 +1,12 @@
 """Time HF generation with and without a shared prefill (its prompt copied to every row or held
 once; the linear layers on autocast's calls or on packed weights), and the sampler's draw.
 
-SmolLM2-135M-Instruct under bf16 autocast, 4 distinct prompts of ~150 tokens x K = 8 copies (the
+SmolLM2-135M-Instruct in ``--precision`` (default: what ``model.precision: auto`` takes on this
+machine), 4 distinct prompts of ~150 tokens x K = 8 copies (the
 rollout's order), 48 new tokens at temperature 1; then the draw alone on (32, 49152) probabilities:
 ``torch.multinomial`` (the old draw) against :func:`atgrpo.generation.hf.sample_inverse_cdf`. Each
-figure is the best of ``--repeats`` runs, the two paths alternating. On cores shared with other
+figure is the best of ``--repeats`` runs, the paths alternating; packed weights are dropped
+before every run and packed again, as after an update in training. On cores shared with other
 work, ``--threads 1`` gives steadier figures than torch's default.
 
     .venv/bin/python bench/bench_generation.py [--repeats 3] [--threads 1]
@@ -12,10 +14,9 @@ work, ``--threads 1`` gives steadier figures than torch's default.
 
 ``--branches`` times a lookahead-shaped batch instead: 4 tasks x 4 branches, every prompt the
 same instructions and its task (~120 tokens) and then its branch's own ~25 tokens (a tool's
-program and output as the next agent sees them), 12 new tokens, in ``model.precision: auto``'s
-precision for this machine; the shared prefill with the prefix that distinct prompts share run
-once (:mod:`atgrpo.generation.prefixes`) against the same without it (each distinct prompt
-whole), alternating.
+program and output as the next agent sees them), 12 new tokens; the shared prefill with the
+prefix that distinct prompts share run once (:mod:`atgrpo.generation.prefixes`) against the
+same without it (each distinct prompt whole), alternating.
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ def best(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def bench_generate(repeats: int, scale: int) -> None:
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    if precision == "auto":
+        precision = "bf16" if bf16_supported() else "fp32"  # model.precision: auto
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def bench_generate(repeats: int, scale: int, dtype: torch.dtype | None) -> None:
     model, tok = load_model(DEFAULT_MODEL, device="cpu")  # SmolLM2-135M-Instruct
     batch = prompts(tok, scale)
     variants = {  # name: (share_prefill, prompt_once, pack_weights)
@@ -71,7 +78,7 @@ def bench_generate(repeats: int, scale: int) -> None:
             model,
             tok,
             share_prefill=share,
-            autocast_dtype=torch.bfloat16,
+            autocast_dtype=dtype,
             prompt_once=once,
             pack_weights=pack,
         )
@@ -80,6 +87,7 @@ def bench_generate(repeats: int, scale: int) -> None:
     outs: dict[str, list] = {}
 
     def run(name: str) -> None:
+        gens[name].sync_weights()  # packed weights: packed again, as after an update
         torch.manual_seed(0)
         outs[name] = gens[name].generate(
             batch, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0)
@@ -95,7 +103,7 @@ def bench_generate(repeats: int, scale: int) -> None:
     steps = max(len(o.token_ids) for o in outs[base])
     width = max(len(p) for p in batch)
     print(f"generate {len(batch)} rows ({len(LENGTHS)} prompts of up to {width} tokens x K={K}),")
-    print(f"{steps} steps, bf16 autocast, best of {repeats}:")
+    print(f"{steps} steps, {'bf16 autocast' if dtype else 'fp32'}, best of {repeats}:")
     for name in variants:
         same = sum(a.token_ids == b.token_ids for a, b in zip(outs[base], outs[name], strict=True))
         print(
@@ -117,10 +125,9 @@ def branch_prompts(tok) -> list[list[int]]:
     return out
 
 
-def bench_branches(repeats: int) -> None:
+def bench_branches(repeats: int, dtype: torch.dtype | None) -> None:
     model, tok = load_model(DEFAULT_MODEL, device="cpu")
     batch = branch_prompts(tok)
-    dtype = torch.bfloat16 if bf16_supported() else None  # model.precision: auto
     gen = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0)
     whole = hf.worth_sharing
@@ -176,15 +183,21 @@ def main() -> None:
     parser.add_argument(
         "--branches", action="store_true", help="the lookahead-shaped batch only (docstring)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="bf16 autocast over fp32 weights, fp32, or auto: atgrpo's choice on this machine",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.branches:
-        bench_branches(args.repeats)
+        bench_branches(args.repeats, autocast_dtype(args.precision))
         return
     if not args.skip_draw:
         bench_draw(args.repeats)
-    bench_generate(args.repeats, args.prompt_scale)
+    bench_generate(args.repeats, args.prompt_scale, autocast_dtype(args.precision))
 
 
 if __name__ == "__main__":
