@@ -59,7 +59,8 @@ def main() -> None:
         probe = cpu_precision_probe()
         print(
             f"start-up probe (a linear layer): fp32 {probe['float32_ms']:.2f} ms, "
-            f"bf16 autocast {probe['bf16_ms']:.2f} ms"
+            f"bf16 autocast {probe['bf16_ms']:.2f} ms, bf16 / fp32 {probe['bf16_ratio']:.2f} "
+            "(the median of its rounds' ratios; auto takes bf16 below 0.8)"
         )
     print(f"model.precision: auto takes {'bf16 autocast' if bf16_supported() else 'fp32'} here")
 

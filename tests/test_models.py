@@ -90,16 +90,16 @@ def test_a_converted_default_model_needs_no_package(
 
 
 @pytest.mark.parametrize(
-    ("bf16_ms", "takes_bf16"), [(1.0, True), (1.7, False), (2.0, False), (3.0, False)]
+    ("bf16_ratio", "takes_bf16"),
+    [(0.5, True), (0.79, True), (0.85, False), (1.0, False), (2.0, False)],
 )
 def test_auto_precision_takes_bf16_on_cpu_only_where_clearly_faster(
-    monkeypatch: pytest.MonkeyPatch, bf16_ms: float, takes_bf16: bool
+    monkeypatch: pytest.MonkeyPatch, bf16_ratio: float, takes_bf16: bool
 ) -> None:
+    timings = {"float32_ms": 2.0, "bf16_ms": 2.0 * bf16_ratio, "bf16_ratio": bf16_ratio}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(models, "cpu_bf16_native", lambda: True)
-    monkeypatch.setattr(
-        models, "cpu_precision_probe", lambda: {"float32_ms": 2.0, "bf16_ms": bf16_ms}
-    )
+    monkeypatch.setattr(models, "cpu_precision_probe", lambda: timings)
     assert models.bf16_supported() is takes_bf16
 
 
@@ -132,7 +132,7 @@ def test_the_precision_probe_times_float32_and_bf16_autocast(
         timings = models.cpu_precision_probe()
     finally:
         models.cpu_precision_probe.cache_clear()
-    assert set(timings) == {"float32_ms", "bf16_ms"}
+    assert set(timings) == {"float32_ms", "bf16_ms", "bf16_ratio"}
     assert all(t > 0 for t in timings.values())
     assert set(seen) == {(False, torch.float32), (True, torch.bfloat16)}
     calls = (models._PROBE_ROUNDS + 1) * len(models._PROBE_SHAPES)

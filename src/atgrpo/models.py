@@ -248,8 +248,7 @@ def bf16_supported() -> bool:
         return bool(torch.cuda.is_bf16_supported())
     if not cpu_bf16_native():
         return False
-    timings = cpu_precision_probe()
-    return timings["bf16_ms"] < _BF16_MARGIN * timings["float32_ms"]
+    return cpu_precision_probe()["bf16_ratio"] < _BF16_MARGIN
 
 
 def cpu_bf16_native() -> bool:
@@ -268,30 +267,43 @@ _BF16_MARGIN = 0.8
 # (rows, in, out) of a linear layer's forward: a decode step's and an update micro-batch's MLP
 # up-projection in a small model (SmolLM2-135M: hidden 576, MLP 1536).
 _PROBE_SHAPES = ((32, 576, 1536), (384, 576, 1536))
-_PROBE_ROUNDS = 8
+_PROBE_ROUNDS = 16
 
 
 @functools.cache
 def cpu_precision_probe() -> dict[str, float]:
-    """Median milliseconds of a linear layer's forward over float32 weights at
-    :data:`_PROBE_SHAPES` (summed), in float32 and under bf16 autocast (the weight's cast
-    included, as in training); the two alternate, so a load slows both alike. About 0.1-0.3 s,
-    once per process."""
+    """A linear layer's forward over float32 weights at :data:`_PROBE_SHAPES` (summed), in
+    float32 and under bf16 autocast (the weight's cast included, as in training), in
+    :data:`_PROBE_ROUNDS` rounds of one of each, back to back in alternating order: the median
+    milliseconds of each and ``bf16_ratio``, the median of the rounds' bf16 / float32 ratios.
+    Another process's load slows both halves of a round alike, so the ratio holds where the
+    times do not (2.0 quiet, 1.6-1.9 beside a test run, on the AVX512-BF16 Xeon of
+    docs/results.md). About 0.2-0.5 s, once per process."""
     g = torch.Generator().manual_seed(0)
     layers = [
         (torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g))
         for rows, n_in, n_out in _PROBE_SHAPES
     ]
-    times: dict[str, list[float]] = {"float32_ms": [], "bf16_ms": []}
+
+    def forward_ms(bf16: bool) -> float:
+        start = time.perf_counter()
+        for x, w in layers:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                torch.nn.functional.linear(x, w)
+        return (time.perf_counter() - start) * 1e3
+
+    times: dict[bool, list[float]] = {False: [], True: []}
     with torch.no_grad():
-        for _ in range(_PROBE_ROUNDS + 1):
-            for name, bf16 in (("float32_ms", False), ("bf16_ms", True)):
-                start = time.perf_counter()
-                for x, w in layers:
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                        torch.nn.functional.linear(x, w)
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t[1:]) for name, t in times.items()}  # the first warms up
+        forward_ms(False), forward_ms(True)  # warm-up
+        for i in range(_PROBE_ROUNDS):
+            for bf16 in (False, True) if i % 2 else (True, False):
+                times[bf16].append(forward_ms(bf16))
+    ratios = [b / f for b, f in zip(times[True], times[False], strict=True)]
+    return {
+        "float32_ms": statistics.median(times[False]),
+        "bf16_ms": statistics.median(times[True]),
+        "bf16_ratio": statistics.median(ratios),
+    }
 
 
 def autocast_for(model: Any, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
