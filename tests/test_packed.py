@@ -1,4 +1,5 @@
-"""Linear layers on weights packed once for oneDNN while generating (atgrpo.generation.packed)."""
+"""Linear layers on weights packed once while generating (atgrpo.generation.packed): bf16 for
+oneDNN under autocast, float32 for MKL."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from conftest import REPO
 BF16 = torch.bfloat16
 
 
-@pytest.fixture
-def tiny() -> tuple[object, object]:
+@pytest.fixture(params=[BF16, None], ids=["bf16", "fp32"])
+def tiny(request: pytest.FixtureRequest) -> tuple[object, object, torch.dtype | None]:
+    """The tiny model, its tokenizer and the autocast dtype packed for (None: float32)."""
     model, tok = build_tiny_model(seed=0)
     tok.padding_side = "left"
-    if not supported(model, BF16):
-        pytest.skip("this CPU's oneDNN has no bf16")
-    return model, tok
+    if not supported(model, request.param):
+        pytest.skip(f"this CPU's torch cannot pack for {request.param or 'float32'}")
+    return model, tok, request.param
 
 
 def _generate(gen: HFGenerator, tok) -> list:
@@ -38,18 +40,18 @@ def _same(a: list, b: list) -> bool:
 
 
 def test_the_same_tokens_and_logprobs_as_autocast(tiny) -> None:
-    model, tok = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
-    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    model, tok, dtype = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
+    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
     assert packed.packed is not None and plain.packed is None
     assert _same(_generate(packed, tok), _generate(plain, tok))
     assert all("forward" not in vars(m) for m in model.modules())  # the layers are restored
 
 
 def test_a_changed_weight_is_packed_again(tiny) -> None:
-    model, tok = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
-    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    model, tok, dtype = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
+    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
     before = _generate(packed, tok)
     with torch.no_grad():  # an optimizer step: in place, the same tensors
         for p in model.parameters():
@@ -64,9 +66,9 @@ def test_an_optimizer_step_is_seen_whatever_the_adamw(tiny, impl: str) -> None:
     """torch's fused AdamW updates the weights in place without bumping their version counter:
     a packed weight must still be packed again (it once was not, and every rollout after the
     first sampled from the weights of the first)."""
-    model, tok = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
-    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    model, tok, dtype = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
+    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
     before = _generate(packed, tok)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=0.05, fused=impl == "fused", foreach=impl == "foreach"
@@ -80,28 +82,44 @@ def test_an_optimizer_step_is_seen_whatever_the_adamw(tiny, impl: str) -> None:
 
 
 def test_sync_weights_drops_every_packed_weight(tiny) -> None:
-    model, tok = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=BF16)
+    model, tok, dtype = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
     _generate(packed, tok)
     assert packed.packed is not None and len(packed.packed) > 0
     packed.sync_weights()
     assert len(packed.packed) == 0
 
 
-def test_packing_applies_to_bf16_autocast_on_cpu_only(tiny) -> None:
-    model, _ = tiny
-    assert not supported(model, None)
-    assert not supported(model.to(BF16), BF16)  # bf16 weights: no autocast cast to save
+def test_a_training_forward_drops_the_packed_weights(tiny) -> None:
+    """An update's forward frees them (stale after it anyway) instead of holding them through
+    the update's peak; a forward in eval mode (generation's) keeps them."""
+    model, tok, dtype = tiny
+    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
+    _generate(packed, tok)
+    assert packed.packed is not None and len(packed.packed) > 0
+    ids = torch.tensor([tok("a prompt", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        model.eval()(ids)
+        assert len(packed.packed) > 0
+        model.train()(ids)
+    assert len(packed.packed) == 0
+
+
+def test_packing_applies_to_float32_weights_only(tiny) -> None:
+    model, _, dtype = tiny
+    assert supported(model, dtype)
+    assert not supported(model.to(BF16), dtype)  # bf16 weights: run as they are
+    assert not supported(model.float(), torch.float16)
 
 
 def test_each_weight_is_packed_once_while_unchanged(tiny, monkeypatch) -> None:
-    model, _ = tiny
+    model, _, dtype = tiny
     calls = []
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-    monkeypatch.setattr(
-        torch.ops.mkldnn, "_reorder_linear_weight", lambda *a: calls.append(1) or reorder(*a)
-    )
-    linears = PackedLinears()
+    library = torch.ops.mkldnn if dtype is BF16 else torch.ops.mkl
+    name = "_reorder_linear_weight" if dtype is BF16 else "_mkl_reorder_linear_weight"
+    reorder = getattr(library, name)
+    monkeypatch.setattr(library, name, lambda *a: calls.append(1) or reorder(*a))
+    linears = PackedLinears(dtype)
     for _ in range(2):
         with linears.active(model):
             pass
@@ -111,11 +129,11 @@ def test_each_weight_is_packed_once_while_unchanged(tiny, monkeypatch) -> None:
 def test_lora_adapters_give_the_same_tokens(tiny) -> None:
     from peft import LoraConfig, get_peft_model
 
-    model, tok = tiny
+    model, tok, dtype = tiny
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     lora = get_peft_model(model, config)  # random A and B: the adapters change the logits
-    packed = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=BF16)
-    plain = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=BF16, pack_weights=False)
+    packed = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=dtype)
+    plain = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
     assert _same(_generate(packed, tok), _generate(plain, tok))
 
 

@@ -272,8 +272,9 @@ class HFGenerator:
     prefills every row. ``prompt_once``: then also hold each prompt's keys and values once while
     decoding, where :func:`reads_prompt_once` allows (:mod:`atgrpo.generation.prefix_cache`);
     False copies them to every row (the same attention; for measuring the two).
-    ``pack_weights``: run the linear layers on weights packed once for oneDNN, on CPU under
-    bf16 autocast (:mod:`atgrpo.generation.packed`; the same logits); False: autocast's calls.
+    ``pack_weights``: run the linear layers on weights packed once for oneDNN (bf16 autocast) or
+    MKL (float32), on CPU (:mod:`atgrpo.generation.packed`; the same logits); False: the layers'
+    own calls.
     """
 
     def __init__(
@@ -290,8 +291,12 @@ class HFGenerator:
         self.model = model
         self.prompt_once = prompt_once
         self.packed = (
-            PackedLinears() if pack_weights and packed_supported(model, autocast_dtype) else None
+            PackedLinears(autocast_dtype)
+            if pack_weights and packed_supported(model, autocast_dtype)
+            else None
         )
+        if self.packed is not None:
+            self.packed.drop_at_training_forward(model)
         self.tokenizer = tokenizer
         self.share_prefill = share_prefill
         self.autocast_dtype = autocast_dtype

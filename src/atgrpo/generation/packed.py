@@ -1,23 +1,29 @@
-"""bf16 linear layers with their weights packed once for oneDNN while generating on CPU.
+"""Linear layers with their weights packed once for the CPU's matmul library while generating.
 
-Under bf16 autocast every ``nn.Linear`` call on CPU casts its input and weight to bf16 and runs
-oneDNN's matmul, which first reorders the weight into its blocked layout: at a decode step's
-M = 32 rows that reorder is a large share of the call, and it repeats every step for every
-layer. :class:`PackedLinears` reorders each linear layer's bf16 weight once
-(``torch.ops.mkldnn._reorder_linear_weight``) and, while generating, runs the layer as oneDNN's
-linear on the packed weight (``torch.ops.mkldnn._linear_pointwise``): the same bf16 matmul with
-float32 accumulation, so the logits are the ones autocast's call gives (the tokens and
-log-probs of a seeded generation are identical; tests/test_packed.py). A packed weight is reused
-until its parameter changes, so it is packed once per rollout, not per call. A change is seen by
-the tensor's storage, its version counter and a sample of its values: the version alone is not
-enough, because torch's fused AdamW (atgrpo's default) updates the weights in place without
-bumping it (until the sample was added, every rollout after the first sampled from the packed
-weights of the first). :meth:`PackedLinears.clear` drops them all (the trainer calls it through
-the generator's ``sync_weights`` after every update).
+Every ``nn.Linear`` call on CPU packs its weight into the matmul library's blocked layout before
+multiplying: under bf16 autocast oneDNN casts the weight to bf16 and reorders it, in float32 MKL's
+sgemm packs it. At a decode step's M = 32 rows that packing is a large share of the call, and it
+repeats every step for every layer. :class:`PackedLinears` packs each linear layer's weight once
+and, while generating, runs the layer on the packed weight:
 
-Measured on workload (a)'s generation (32 rows, 48 new tokens; 2 AMD EPYC cores, 5 alternating
-rounds): 9-15 % faster in every round, median 2.94 against 3.42 s. Used on CPU under bf16
-autocast where oneDNN supports bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported``); elsewhere
+* under bf16 autocast, oneDNN's linear on the bf16 weight reordered once
+  (``torch.ops.mkldnn._reorder_linear_weight``, ``torch.ops.mkldnn._linear_pointwise``): the same
+  bf16 matmul with float32 accumulation, so the logits are the ones autocast's call gives;
+* in float32, MKL's packed sgemm (``torch.ops.mkl._mkl_reorder_linear_weight``,
+  ``torch.ops.mkl._mkl_linear``): the same sgemm on the same numbers, bit for bit.
+
+The tokens and log-probs of a seeded generation are identical to the unpacked layers' in both
+(tests/test_packed.py). A packed weight is reused until its parameter changes, so it is packed
+once per rollout, not per call. A change is seen by the tensor's storage, its version counter and
+a sample of its values: the version alone is not enough, because torch's fused AdamW (atgrpo's
+default) updates the weights in place without bumping it (until the sample was added, every
+rollout after the first sampled from the packed weights of the first). :meth:`PackedLinears.clear`
+drops them all (the trainer calls it through the generator's ``sync_weights`` after every update).
+
+Measured on workload (a)'s generation (32 rows, 48 new tokens): bf16 on 2 AMD EPYC cores, 9-15 %
+faster in every one of 5 alternating rounds (median 2.94 against 3.42 s); float32 on a 2-core Intel
+Xeon, docs/results.md. Used on CPU under bf16 autocast where oneDNN supports bf16
+(``torch.ops.mkldnn._is_mkldnn_bf16_supported``) and in float32 where torch has MKL; elsewhere
 the layers run as they are.
 """
 
@@ -34,20 +40,31 @@ import torch
 
 
 def supported(model: Any, autocast_dtype: torch.dtype | None) -> bool:
-    """Whether packing applies: bf16 autocast over float32 weights on a CPU oneDNN runs in bf16."""
+    """Whether packing applies: float32 weights on CPU, under bf16 autocast where oneDNN runs
+    bf16, or in float32 (no autocast) where torch has MKL."""
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    if autocast_dtype is None:
+        return torch.backends.mkl.is_available()
     return (
         autocast_dtype is torch.bfloat16
-        and next(model.parameters()).device.type == "cpu"
-        and next(model.parameters()).dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
-class PackedLinears:
-    """The packed bf16 weights of a model's linear layers, kept between generations."""
+# The row count MKL packs a float32 weight for: a rollout's decode step (any row count gives the
+# same numbers; packed for 1 row, a 32-row call ran as slowly as the unpacked one).
+_MKL_ROWS = 32
 
-    def __init__(self) -> None:
+
+class PackedLinears:
+    """The packed weights of a model's linear layers, kept between generations: bf16 for
+    oneDNN (``autocast_dtype`` bf16) or float32 for MKL (None)."""
+
+    def __init__(self, autocast_dtype: torch.dtype | None) -> None:
+        self.bf16 = autocast_dtype is torch.bfloat16
         # layer -> (the weight's stamp when packed, the packed weight)
         self._packed: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[_Stamp, Any]]
         self._packed = weakref.WeakKeyDictionary()
@@ -59,12 +76,24 @@ class PackedLinears:
         """Forget every packed weight: the next generation packs the current ones."""
         self._packed.clear()
 
+    def drop_at_training_forward(self, model: torch.nn.Module) -> None:
+        """Forget every packed weight at ``model``'s next forward in training mode (an update's):
+        the update makes them stale anyway, and freed before it their memory serves the update
+        instead of adding to its peak (held through it, float32 ones raised workload (a)'s peak
+        RSS from 5.3 to 7.9 GB; docs/results.md)."""
+        model.register_forward_pre_hook(self._drop_if_training)
+
+    def _drop_if_training(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and self._packed:
+            self._packed.clear()
+
     @contextlib.contextmanager
     def active(self, model: torch.nn.Module) -> Iterator[None]:
         """Run every linear layer of ``model`` on its packed weight inside the block."""
         layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
         for layer in layers:
-            layer.forward = functools.partial(_packed_forward, layer, self._weight(layer))  # type: ignore[method-assign]
+            forward = _bf16_forward if self.bf16 else _fp32_forward
+            layer.forward = functools.partial(forward, layer, self._weight(layer))  # type: ignore[method-assign]
         try:
             yield
         finally:
@@ -76,11 +105,15 @@ class PackedLinears:
         stamp = _Stamp.of(weight)
         held = self._packed.get(layer)
         if held is None or not held[0].matches(stamp):
-            rows = None  # the packing does not depend on the batch size given
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().bfloat16(), rows)
-            held = (stamp, packed)
+            held = (stamp, _pack(weight.detach(), self.bf16))
             self._packed[layer] = held
         return held[1]
+
+
+def _pack(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
+    if bf16:  # oneDNN's packing does not depend on the batch size given
+        return torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_ROWS)
 
 
 _SAMPLE = 64  # values of a weight compared to tell whether it changed since it was packed
@@ -107,7 +140,13 @@ class _Stamp:
         )
 
 
-def _packed_forward(layer: torch.nn.Linear, packed: Any, x: torch.Tensor) -> torch.Tensor:
+def _fp32_forward(layer: torch.nn.Linear, packed: Any, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` in float32, on the packed weight (MKL also reads the original's shape)."""
+    bias = layer.bias.detach() if layer.bias is not None else None
+    return torch.ops.mkl._mkl_linear(x, packed, layer.weight.detach(), bias, _MKL_ROWS)
+
+
+def _bf16_forward(layer: torch.nn.Linear, packed: Any, x: torch.Tensor) -> torch.Tensor:
     """What ``layer(x)`` gives under bf16 autocast (bf16 out), on the packed weight."""
     bias = layer.bias.detach().bfloat16() if layer.bias is not None else None
     flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
