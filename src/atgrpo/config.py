@@ -59,9 +59,7 @@ class AdamWImpl(enum.StrEnum):
 
 
 class Precision(enum.StrEnum):
-    AUTO = (
-        "auto"  # bf16 autocast over fp32 master weights where it is faster (models.bf16_supported)
-    )
+    AUTO = "auto"  # bf16 autocast over fp32 weights where it is faster (models.bf16_supported)
     FP32 = "fp32"
     BF16_AUTOCAST = "bf16_autocast"
 

@@ -243,7 +243,7 @@ def bf16_supported() -> bool:
     that computes bf16 natively (AVX512-BF16 or AMX) where :func:`cpu_precision_probe` finds a
     linear layer under bf16 autocast clearly faster than in float32. Native bf16 is not enough:
     on a 2-core Intel Xeon with AVX512-BF16 and no AMX a bf16 matmul ran at half the float32
-    rate (docs/results.md), where on a 2-core AMD EPYC bf16 was the faster one."""
+    rate (docs/results.md)."""
     if torch.cuda.is_available():
         return bool(torch.cuda.is_bf16_supported())
     if not cpu_bf16_native():
