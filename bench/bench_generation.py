@@ -27,12 +27,15 @@ import time
 from collections.abc import Callable
 
 import torch
+from bench_step import PRECISIONS
 
 import atgrpo.generation.hf as hf
+from atgrpo.config import Precision
 from atgrpo.generation import HFGenerator, SamplingParams
 from atgrpo.generation.hf import sample_inverse_cdf
 from atgrpo.generation.packed import supported as packed_supported
-from atgrpo.models import DEFAULT_MODEL, bf16_supported, load_model
+from atgrpo.models import DEFAULT_MODEL, load_model
+from atgrpo.policies import autocast_dtype_for
 
 LENGTHS = (150, 138, 161, 144)  # distinct prompts of different lengths: left padding
 K = 8
@@ -60,10 +63,9 @@ def best(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    if precision == "auto":
-        precision = "bf16" if bf16_supported() else "fp32"  # model.precision: auto
-    return torch.bfloat16 if precision == "bf16" else None
+def autocast_dtype(choice: str) -> torch.dtype | None:
+    """``--precision`` as atgrpo resolves the model.precision it names (auto: this machine's)."""
+    return autocast_dtype_for(Precision(PRECISIONS.get(choice, choice)))
 
 
 def bench_generate(repeats: int, scale: int, dtype: torch.dtype | None) -> None:
