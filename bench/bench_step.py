@@ -51,6 +51,14 @@ tokens of the step's samples / step time) and the child process's peak RSS. Rati
 speed-ups, reference time / variant time (> 1: the variant is faster). Every variant uses the
 same AdamW settings (weight decay 0, atgrpo's default).
 
+``--rounds N`` runs the variants' processes N times, alternating (every variant, then every
+variant again), pools all rounds' settled steps in the table, and prints each round's step time
+of a variant over its reference's (e.g. atgrpo-share / plain) with their median and range: on a
+machine whose steps vary by 10-20 % from one process to the next, one round's ratio is one
+draw. ``--variants plain,atgrpo-share`` runs only those.
+
+    .venv/bin/python bench/bench_step.py --workload a --rounds 3 --variants plain,atgrpo-share
+
 Precision (``--precision``): ``bf16`` (bf16 autocast over fp32 weights, the figures of
 docs/results.md), ``fp32``, or ``auto`` (the default): what atgrpo's ``model.precision: auto``
 takes on this machine, bf16 where the CPU computes it natively (AVX512-BF16 or AMX; a GPU with
@@ -575,9 +583,10 @@ def settled_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     return settled or later
 
 
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    rows = result["history"]
-    settled = settled_rows(rows)
+def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A variant's figures: medians over the settled steps of all its processes (rounds)."""
+    histories = [r["history"] for r in results]
+    settled = [row for rows in histories for row in settled_rows(rows)]
     return {
         "gen_s": median(settled, "gen_s"),
         "update_s": median(settled, "update_s"),
@@ -587,16 +596,22 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         "computed": median(settled, "computed"),
         "prefill_tokens": median(settled, "prefill_tokens"),
         "update_tokens": median(settled, "update_tokens"),
-        "params": result.get("params", 0),
-        "rss": result["peak_rss_mib"],
-        "per_step": [r["step_s"] for r in rows],
-        "settled": [i + 1 for i, r in enumerate(rows) if r in settled],
-        "load": result["load"],
+        "params": results[0].get("params", 0),
+        "rss": max(r["peak_rss_mib"] for r in results),
+        "per_step": [[r["step_s"] for r in rows] for rows in histories],
+        "settled": [[i + 1 for i, r in enumerate(rows) if r in settled] for rows in histories],
+        "round_step_s": [median(settled_rows(rows), "step_s") for rows in histories],
+        "load": [results[0]["load"][0], results[-1]["load"][1]],
     }
 
 
 # ---------------------------------------------------------------------------------------------
 # The roofline: this machine's limits, measured in the same run
+
+
+# Best of this many matmuls per size: with 3, one run on a 2-core Intel Xeon measured 256
+# GFLOP/s where others gave 320-328, which understates the limit (and flatters every ratio).
+MATMUL_REPEATS = 8
 
 
 def machine_limits(threads: int, precision: str) -> dict[str, float]:
@@ -608,7 +623,7 @@ def machine_limits(threads: int, precision: str) -> dict[str, float]:
     for n in (2048, 4096):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         a @ b  # warm-up
-        seconds = _best_of(lambda a=a, b=b: a @ b, 3)
+        seconds = _best_of(lambda a=a, b=b: a @ b, MATMUL_REPEATS)
         rates.append(2 * n**3 / seconds / 1e9)
     src = torch.empty(64 << 20, dtype=torch.float32).fill_(1.0)  # 256 MiB
     dst = torch.empty_like(src)
@@ -672,14 +687,28 @@ def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
     print(header)
     print("-" * len(header))
     for name, s in summaries.items():
-        steps = " ".join(
-            f"{x:.1f}{'*' if i + 1 in s['settled'] else ''}" for i, x in enumerate(s["per_step"])
+        steps = " | ".join(
+            " ".join(f"{x:.1f}{'*' if i + 1 in marked else ''}" for i, x in enumerate(times))
+            for times, marked in zip(s["per_step"], s["settled"], strict=True)
         )
         print(
             f"{name:<16}{s['gen_s']:>8.2f}{s['update_s']:>10.2f}{s['step_s']:>9.2f}"
             f"{s['tokens']:>8.0f}{s['tokens_per_s']:>10.1f}{s['computed']:>10.1f}"
             f"{s['rss']:>9.0f}{'{:.1f}->{:.1f}'.format(*s['load']):>11}  {steps}"
         )
+    print("\nspeed-up (reference time / variant time; > 1: faster)")
+    print(f"{'variant vs reference':<34}{'gen':>7}{'update':>8}{'total':>7}{'tokens/s':>10}")
+    for a, b in speedup_pairs(summaries):
+        x, y = summaries[a], summaries[b]
+        print(
+            f"{a + ' vs ' + b:<34}{y['gen_s'] / x['gen_s']:>7.2f}"
+            f"{y['update_s'] / x['update_s']:>8.2f}{y['step_s'] / x['step_s']:>7.2f}"
+            f"{x['tokens_per_s'] / y['tokens_per_s']:>10.2f}"
+        )
+
+
+def speedup_pairs(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """(variant, reference) pairs that both ran."""
     pairs = [("atgrpo-share", "atgrpo-noshare")]
     if "plain" in summaries:
         pairs = [
@@ -691,16 +720,21 @@ def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
             ("atgrpo-vllm", "atgrpo-share"),
             *pairs,
         ]
-    print("\nspeed-up (reference time / variant time; > 1: faster)")
-    print(f"{'variant vs reference':<34}{'gen':>7}{'update':>8}{'total':>7}{'tokens/s':>10}")
-    for a, b in pairs:
-        if a not in summaries or b not in summaries:
-            continue
-        x, y = summaries[a], summaries[b]
+    return [(a, b) for a, b in pairs if a in summaries and b in summaries]
+
+
+def print_rounds(summaries: dict[str, dict[str, Any]]) -> None:
+    """With several rounds: each round's step time of a variant over its reference's (both
+    medians of that round's settled steps), the interval the pooled figures hide."""
+    print("\nstep time / reference's, round by round (< 1: faster)")
+    for a, b in speedup_pairs(summaries):
+        ratios = [
+            x / y
+            for x, y in zip(summaries[a]["round_step_s"], summaries[b]["round_step_s"], strict=True)
+        ]
         print(
-            f"{a + ' vs ' + b:<34}{y['gen_s'] / x['gen_s']:>7.2f}"
-            f"{y['update_s'] / x['update_s']:>8.2f}{y['step_s'] / x['step_s']:>7.2f}"
-            f"{x['tokens_per_s'] / y['tokens_per_s']:>10.2f}"
+            f"{a + ' / ' + b:<34}{' '.join(f'{r:.3f}' for r in ratios)}   median "
+            f"{statistics.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}"
         )
 
 
@@ -713,10 +747,36 @@ WORKLOAD_TITLES = {
 }
 
 
-def variants(workload: str, vllm: bool) -> tuple[str, ...]:
-    """The variants of a workload; with ``vllm``, workload a's atgrpo step on the vLLM engine."""
+def variants(workload: str, vllm: bool, chosen: list[str] | None = None) -> tuple[str, ...]:
+    """The variants of a workload (those in ``chosen`` only, where given); with ``vllm``,
+    workload a's atgrpo step on the vLLM engine."""
     extra = ("atgrpo-vllm",) if vllm and workload == "a" else ()
-    return VARIANTS[workload] + extra
+    return tuple(v for v in VARIANTS[workload] + extra if chosen is None or v in chosen)
+
+
+def run_child(
+    args: argparse.Namespace, workload: str, variant: str, precision: str, tmp: Path
+) -> dict[str, Any] | None:
+    """One variant's steps in its own process; its result, or None where it failed."""
+    result_file = tmp / f"{workload}-{variant}.json"
+    result_file.unlink(missing_ok=True)
+    cmd = [
+        str(VLLM_PYTHON) if variant == "atgrpo-vllm" else sys.executable,
+        __file__,
+        *("--child", variant, "--workload", workload, "--steps", str(args.steps)),
+        *("--model", args.model, "--threads", str(args.threads), "--seed", str(args.seed)),
+        *("--precision", precision, "--result-file", str(result_file)),
+        *(["--profile"] if args.profile and variant == "atgrpo-share" else []),
+    ]
+    print(f"running ({workload}) {variant} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
+    if proc.returncode != 0 or not result_file.is_file():
+        print(f"({workload}) {variant} failed with exit code {proc.returncode}")
+        return None
+    wall = time.perf_counter() - start
+    print(f"  ({workload}) {variant} done in {wall:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(result_file.read_text())
 
 
 def parent(args: argparse.Namespace) -> None:
@@ -727,80 +787,77 @@ def parent(args: argparse.Namespace) -> None:
     print(
         f"settings: --model {args.model} --steps {args.steps} --threads {args.threads} "
         f"--seed {args.seed} --precision {args.precision} ({precision}: "
-        f"model.precision={PRECISIONS[precision]}); medians over the settled steps "
-        f"(after step 1, those that faulted in under {SETTLED_MIB} MiB of new pages; "
-        f"else 2..{args.steps})"
+        f"model.precision={PRECISIONS[precision]}) --rounds {args.rounds}; medians over the "
+        f"settled steps (after step 1, those that faulted in under {SETTLED_MIB} MiB of new "
+        f"pages; else 2..{args.steps}) of every round"
     )
     workloads = ["a", "b"] if args.workload == "all" else [args.workload]
+    for w in workloads:
+        if not variants(w, args.vllm, args.variants):
+            sys.exit(
+                f"error: --variants leaves workload {w} nothing to run: name one of "
+                f"{', '.join(variants(w, args.vllm))}"
+            )
     limits = machine_limits(args.threads, precision)
-    notes: dict[str, bool] = {}
-    profiles: dict[str, str] = {}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in workloads}
     failed = False
-    tables: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         for w in workloads:
-            tables[w] = {}
-            for variant in variants(w, args.vllm):
-                result_file = Path(tmp) / f"{w}-{variant}.json"
-                cmd = [
-                    str(VLLM_PYTHON) if variant == "atgrpo-vllm" else sys.executable,
-                    __file__,
-                    "--child",
-                    variant,
-                    "--workload",
-                    w,
-                    "--steps",
-                    str(args.steps),
-                    "--model",
-                    args.model,
-                    "--threads",
-                    str(args.threads),
-                    "--seed",
-                    str(args.seed),
-                    "--precision",
-                    precision,
-                    "--result-file",
-                    str(result_file),
-                    *(["--profile"] if args.profile and variant == "atgrpo-share" else []),
-                ]
-                print(f"running ({w}) {variant} ...", file=sys.stderr, flush=True)
-                start = time.perf_counter()
-                proc = subprocess.run(cmd, stdout=sys.stderr, check=False)
-                wall = time.perf_counter() - start
-                if proc.returncode != 0 or not result_file.is_file():
-                    print(f"({w}) {variant} failed with exit code {proc.returncode}")
-                    failed = True
-                    continue
-                result = json.loads(result_file.read_text())
-                notes.update(result["implemented"])
-                tables[w][variant] = summarise(result)
-                profiles.update(
-                    {f"({w}) {variant}, {k}": v for k, v in result.get("profiles", {}).items()}
-                )
-                print(f"  ({w}) {variant} done in {wall:.0f} s", file=sys.stderr, flush=True)
+            for _ in range(args.rounds):  # rounds alternate the variants' processes
+                for variant in variants(w, args.vllm, args.variants):
+                    result = run_child(args, w, variant, precision, Path(tmp))
+                    failed = failed or result is None
+                    if result is not None:
+                        results[w].setdefault(variant, []).append(result)
+    report(workloads, results, limits, precision, args.rounds)
+    if failed:
+        sys.exit(1)
+
+
+def report(
+    workloads: list[str],
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    limits: dict[str, float],
+    precision: str,
+    rounds: int,
+) -> None:
+    notes = {
+        k: v
+        for runs in results.values()
+        for rs in runs.values()
+        for r in rs
+        for k, v in r["implemented"].items()
+    }
     print(
         "sharing implemented in this source tree: "
         + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in notes.items())
     )
     for w in workloads:
         print(f"\n{WORKLOAD_TITLES[w]}")
-        if tables[w]:
-            print_table(w, tables[w])
+        tables = {v: summarise(rs) for v, rs in results[w].items() if len(rs) == rounds}
+        if tables:
+            print_table(w, tables)
+            if rounds > 1:
+                print_rounds(tables)
             if w == "a":
-                print_roofline(tables[w], limits, precision)
+                print_roofline(tables, limits, precision)
     print(
         "\ngen s: generation (b: the whole rollout with env steps); update s: advantages + "
         "update; tokens: prompt + response tokens of the step's samples; tokens/s = tokens / "
         "total s (verl); fwd seqs: sequences with a forward + backward in the update (atgrpo "
         "skips zero-advantage samples); RSS: the variant process's peak resident memory; "
         "load: the 1-minute load average when the variant started and ended (much above 1 "
-        "on 2 cores: other processes shared them)."
+        "on 2 cores: other processes shared them); per-step s: each round's steps, rounds "
+        "separated by |."
     )
-    for name, table in profiles.items():
-        print(f"\nprofile of one step, {name} (torch.profiler, top {PROFILE_ROWS} by self CPU)")
-        print(table)
-    if failed:
-        sys.exit(1)
+    for w, runs in results.items():
+        for variant, rs in runs.items():
+            for phase, table in rs[-1].get("profiles", {}).items():
+                print(
+                    f"\nprofile of one step, ({w}) {variant}, {phase} (torch.profiler, top "
+                    f"{PROFILE_ROWS} by self CPU)"
+                )
+                print(table)
 
 
 def main() -> None:
@@ -824,11 +881,29 @@ def main() -> None:
         action="store_true",
         help="add workload a's atgrpo step on the vLLM engine (.venv-vllm, make test-vllm)",
     )
+    ap.add_argument(
+        "--variants",
+        type=lambda text: text.split(","),
+        help="run only these variants, comma-separated (e.g. plain,atgrpo-share)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants' processes this many times, alternating; prints each round's "
+        "step ratios",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    known = {v for names in VARIANTS.values() for v in names} | {"atgrpo-vllm"}
+    unknown = sorted(set(args.variants or ()) - known)
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
     if args.child:
         child(args)
     else:

@@ -51,3 +51,36 @@ def test_auto_is_atgrpo_s_own_choice_on_this_machine() -> None:
     assert bench.resolve_precision("auto") == ("bf16" if bf16_supported() else "fp32")
     assert bench.resolve_precision("fp32") == "fp32"
     assert bench.PRECISIONS[bench.resolve_precision("auto")] in ("bf16_autocast", "fp32")
+
+
+def _result(steps: list[float], rss: float = 100.0) -> dict[str, Any]:
+    history = [
+        {"gen_s": t / 2, "update_s": t / 2, "step_s": t, "tokens": 10.0, "faulted_mib": 0.0}
+        for t in steps
+    ]
+    return {"history": history, "peak_rss_mib": rss, "load": [1.0, 2.0], "params": 1e8}
+
+
+def test_rounds_pool_their_settled_steps_and_keep_each_round_s_own_median() -> None:
+    s = bench.summarise([_result([9.0, 2.0, 4.0]), _result([9.0, 6.0, 8.0], rss=300.0)])
+    assert s["step_s"] == 5.0  # median of 2, 4, 6, 8: step 1 of each round left out
+    assert s["round_step_s"] == [3.0, 7.0]
+    assert s["per_step"] == [[9.0, 2.0, 4.0], [9.0, 6.0, 8.0]]
+    assert s["settled"] == [[2, 3], [2, 3]]
+    assert s["rss"] == 300.0
+
+
+def test_round_ratios_print_each_round_and_their_range(capsys: pytest.CaptureFixture) -> None:
+    plain = bench.summarise([_result([1.0, 10.0]), _result([1.0, 20.0])])
+    share = bench.summarise([_result([1.0, 3.0]), _result([1.0, 8.0])])
+    bench.print_rounds({"plain": plain, "atgrpo-share": share})
+    out = capsys.readouterr().out
+    assert "atgrpo-share / plain" in out
+    assert "0.300 0.400" in out and "median 0.350, range 0.300-0.400" in out
+
+
+def test_variants_can_be_narrowed_and_vllm_joins_only_workload_a() -> None:
+    assert bench.variants("a", False, ["plain", "atgrpo-share"]) == ("plain", "atgrpo-share")
+    assert bench.variants("a", True) == (*bench.VARIANTS["a"], "atgrpo-vllm")
+    assert bench.variants("b", True) == bench.VARIANTS["b"]
+    assert bench.variants("b", False, ["plain"]) == ()
