@@ -168,3 +168,32 @@ def test_mini_batches_of_an_adapter_leave_the_other_adapter_and_the_base_alone()
     changed = {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
     assert changed and all(".tool." in k for k in changed)  # invariant 4 over every step
     assert planner.scheduler.last_epoch == 0
+
+
+def test_pi_old_runs_each_prompt_once_where_the_update_shares_prefixes(tmp_path: Path) -> None:
+    from atgrpo.algo.minibatch import TrainerLogprobs
+    from atgrpo.algo.update import _record_old_logprobs
+
+    policy = _policy(tmp_path)
+    samples = _samples(policy, per_prompt=3)  # 12 samples, 4 prompts of 3
+    policy.model.train()
+    tokens: list[int] = []
+    hook = policy.model.register_forward_pre_hook(
+        lambda _m, _a, kw: tokens.append(kw["input_ids"].numel()), with_kwargs=True
+    )
+    olds, forwarded = {}, {}
+    for share in (True, False):
+        tokens.clear()
+        olds[share] = TrainerLogprobs(keep=True)
+        settings = dataclasses.replace(BASE, share_prefix=share, micro_batch_size=4)
+        _record_old_logprobs(policy, samples, settings, olds[share], None)
+        forwarded[share] = sum(tokens)
+    hook.remove()
+    for s in samples:  # the same pi_old, up to float rounding
+        torch.testing.assert_close(
+            olds[True].by_sample[id(s)], olds[False].by_sample[id(s)], atol=1e-5, rtol=0
+        )
+    prompt = sum(len(s.prompt_ids) for s in samples)
+    # Unshared: every row's prompt (left-padded); shared: each of the 4 prompts once.
+    assert forwarded[False] >= prompt
+    assert forwarded[True] < forwarded[False] - prompt / 2

@@ -14,7 +14,8 @@ Several optimizer steps per rollout batch (``ppo_mini_batch_size``, ``ppo_epochs
 :mod:`atgrpo.algo.minibatch`) cut the batch into mini-batches of whole prompt groups, one step
 each, every step normalised by its own mini-batch's counts. pi_old then comes from the weights
 before the first step: the first mini-batch's from its own forward (ratio exactly 1), the
-others' from one no-gradient forward taken before that step, and later epochs reuse them.
+others' from one no-gradient forward taken before that step (each group's prompt once where
+``share_prefix`` is on, through the same passes as the update's), and later epochs reuse them.
 
 Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its worker
 group; each rank passes its shard and its :class:`DataParallel` group, whose ``all_reduce`` sums a
@@ -460,8 +461,13 @@ def _record_old_logprobs(
     olds: TrainerLogprobs,
     group: DataParallel | None,
 ) -> None:
-    """pi_old of ``samples``: one forward in micro-batches before any step. The ranks of a
-    sharded group run the same number of forwards (FSDP2 gathers weights in each)."""
+    """pi_old of ``samples``: one forward in micro-batches before any step, each group's prompt
+    once where the update shares prefixes (as its own passes do). The ranks of a sharded group
+    run the same number of forwards (FSDP2 gathers weights in each)."""
+    if settings.share_prefix and not (group is not None and group.sharded):
+        for _, chunk, r, logits, _ in _shared_passes(policy, samples, settings):
+            olds.record(chunk, token_logprobs(logits, r.targets, _temperature(r, settings)))
+        return
     for chunk, batch, real in _unshared_passes(policy, samples, settings, group):
         logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
         if real:
@@ -501,10 +507,32 @@ def _backward_shared(
     olds: TrainerLogprobs,
 ) -> None:
     """Up to a micro-batch of distinct prompts in one forward, then their responses in
-    micro-batches over the prompts' cache (a micro-batch may hold several groups)."""
+    micro-batches over the prompts' cache (a micro-batch may hold several groups); the prompts'
+    graph back-propagated after their last responses."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
-    groups = prompt_groups(computed)
+    for prompts, chunk, r, logits, last in _shared_passes(policy, computed, settings):
+        # The full rows (prompt + response) are built only for a KL reference.
+        full_rows = functools.partial(_full_rows, chunk, pad_id, device)
+        old = olds.get(chunk, device)
+        weights = norm.rows(chunk) if _per_agent(settings) else None
+        result = _loss(policy, logits, r, settings, norm, full_rows, old, weights)
+        olds.record(chunk, result.trainer)
+        if not _backward(result, acc):
+            return
+        if last:
+            prompts.backward()
+
+
+def _shared_passes(
+    policy: Policy, samples: list[Sample], settings: UpdateSettings
+) -> Iterator[tuple[prefix.SharedPrompts, list[Sample], Responses, torch.Tensor, bool]]:
+    """Up to a micro-batch of distinct prompts in one forward, then their responses' logits
+    (m, R, V) in micro-batches over the prompts' cache: (prompts, chunk, responses, logits,
+    whether the chunk is those prompts' last)."""
+    device = next(policy.model.parameters()).device
+    pad_id = policy.tokenizer.pad_token_id
+    groups = prompt_groups(samples)
     size = settings.micro_batch_size
     for first in range(0, len(groups), size):
         batch = groups[first : first + size]
@@ -518,16 +546,8 @@ def _backward_shared(
             r = collate_responses(chunk, pad_id).to(device)
             logits = prefix.response_logits_on_prompts(
                 policy.model, prompts, rows, r.targets, r.mask, policy.autocast_dtype
-            )  # (m, R, V)
-            # The full rows (prompt + response) are built only for a KL reference.
-            full_rows = functools.partial(_full_rows, chunk, pad_id, device)
-            old = olds.get(chunk, device)
-            weights = norm.rows(chunk) if _per_agent(settings) else None
-            result = _loss(policy, logits, r, settings, norm, full_rows, old, weights)
-            olds.record(chunk, result.trainer)
-            if not _backward(result, acc):
-                return
-        prompts.backward()
+            )
+            yield prompts, chunk, r, logits, start + size >= len(members)
 
 
 def _backward(result: _MicroLoss, acc: _Accumulator, always: bool = False) -> bool:
