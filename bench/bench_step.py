@@ -835,6 +835,9 @@ def report(
     for w in workloads:
         print(f"\n{WORKLOAD_TITLES[w]}")
         tables = {v: summarise(rs) for v, rs in results[w].items() if len(rs) == rounds}
+        for v, rs in results[w].items():
+            if len(rs) < rounds:  # its rounds would not pair with the others'
+                print(f"({w}) {v}: left out of the tables, {rounds - len(rs)} of {rounds} failed")
         if tables:
             print_table(w, tables)
             if rounds > 1:
