@@ -146,3 +146,17 @@ gpu-wheels: $(VENV)/.torch
 
 gpu-check: $(VENV)/.test
 	PYTHON=$(PY) bash bench/gpu_check.sh --device cpu
+
+# The same CPU path in a venv holding only what the GPU machine has (torch, its transformers
+# 5.17) and the wheels gpu-wheels carries (here for this Python): a missing import or an API
+# that 5.17 lacks shows here, not in the few minutes a GPU is lent.
+GPU_BARE := .venv-gpu-bare
+.PHONY: gpu-check-bare
+$(GPU_BARE)/.ok:
+	$(PYTHON) -m venv $(GPU_BARE)
+	$(GPU_BARE)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH)"
+	$(GPU_BARE)/bin/python -m pip --disable-pip-version-check -q install transformers==5.17.0
+	$(GPU_BARE)/bin/python -m pip --disable-pip-version-check -q install --no-deps $(GPU_WHEELS)
+	touch $@
+gpu-check-bare: $(GPU_BARE)/.ok
+	PYTHON=$(GPU_BARE)/bin/python bash bench/gpu_check.sh --device cpu
