@@ -30,7 +30,7 @@ def autocast(precision: str) -> Any:
 
 
 def main() -> None:
-    from atgrpo import models
+    from atgrpo.attention import BF16_MARGIN
     from atgrpo.models import bf16_supported, cpu_bf16_native, cpu_precision_probe, load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -61,7 +61,7 @@ def main() -> None:
         print(
             f"start-up probe (a linear layer): fp32 {probe['float32_ms']:.2f} ms, "
             f"bf16 autocast {probe['bf16_ms']:.2f} ms, bf16 / fp32 {probe['bf16_ratio']:.2f} "
-            f"(the median of its rounds' ratios; auto takes bf16 below {models._BF16_MARGIN})"
+            f"(the median of its rounds' ratios; auto takes bf16 below {BF16_MARGIN})"
         )
     print(f"model.precision: auto takes {'bf16 autocast' if bf16_supported() else 'fp32'} here")
 

@@ -94,7 +94,7 @@ def test_auto_times_both_kernels_and_keeps_the_faster(choice: Callable[[str], No
     choice("auto")
     timings = attention.probe()
     assert set(timings) == {"float32_ms", "bf16_ms"} and min(timings.values()) > 0
-    clearly_faster = timings["bf16_ms"] <= attention._BF16_MARGIN * timings["float32_ms"]
+    clearly_faster = timings["bf16_ms"] <= attention.BF16_MARGIN * timings["float32_ms"]
     assert attention.float32_attention() == (not clearly_faster)
     choice("fp16")
     with pytest.raises(ValueError, match="ATGRPO_CPU_ATTENTION='fp16'"):

@@ -54,9 +54,10 @@ CHOICE_ENV_VAR = "ATGRPO_CPU_ATTENTION"  # "auto" (default: probe), "float32" or
 # The probe's shape: a decode step of 32 rows over ~196 cached tokens, 9 heads of 64 (SmolLM2).
 _PROBE_SHAPE = (32, 9, 196, 64)
 _PROBE_REPEATS = 15
-# bf16 is chosen only when clearly faster: where the two are close, timing noise would flip the
-# choice from one process to the next (and a resumed run would compute with the other kernel).
-_BF16_MARGIN = 0.8
+# bf16 is chosen only when clearly faster, here and for model.precision: auto
+# (atgrpo.models.bf16_supported): where the two are close, timing noise would flip the choice
+# from one process to the next (and a resumed run would compute with the other kernel).
+BF16_MARGIN = 0.8
 
 
 @functools.cache
@@ -70,7 +71,7 @@ def float32_attention() -> bool:
     if choice != "auto":
         raise ValueError(f"{CHOICE_ENV_VAR}={choice!r}: expected auto, float32 or bf16")
     timings = probe()
-    return timings["bf16_ms"] > _BF16_MARGIN * timings["float32_ms"]
+    return timings["bf16_ms"] > BF16_MARGIN * timings["float32_ms"]
 
 
 @functools.cache

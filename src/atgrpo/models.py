@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from atgrpo.attention import BF16_MARGIN
 from atgrpo.attention import register as register_attention
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -248,7 +249,7 @@ def bf16_supported() -> bool:
         return bool(torch.cuda.is_bf16_supported())
     if not cpu_bf16_native():
         return False
-    return cpu_precision_probe()["bf16_ratio"] < _BF16_MARGIN
+    return cpu_precision_probe()["bf16_ratio"] < BF16_MARGIN
 
 
 def cpu_bf16_native() -> bool:
@@ -261,9 +262,6 @@ def cpu_bf16_native() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# bf16 autocast is taken only when clearly faster: where the two are close, timing noise would
-# flip the choice from one process to the next (and float32 is the more exact of the two).
-_BF16_MARGIN = 0.8
 # (rows, in, out) of a linear layer's forward: a decode step's and an update micro-batch's MLP
 # up-projection in a small model (SmolLM2-135M: hidden 576, MLP 1536).
 _PROBE_SHAPES = ((32, 576, 1536), (384, 576, 1536))
