@@ -10,7 +10,8 @@ forward, loss and backward, and the optimizer step; plus the minor page faults o
 
 ``--repeat-kv`` runs masked grouped-query attention through transformers' ``repeat_kv`` copies,
 as atgrpo did before it attended the grouped heads in place (atgrpo.attention): alternate runs
-with and without it to measure that change inside a step. ``--micro-batch N`` sets the
+with and without it to measure that change inside a step; ``--padded`` runs the update's
+responses one padded row each (as before they were packed, atgrpo.algo.prefix). ``--micro-batch N`` sets the
 update's sequences per forward and backward (bench_step.py's is 8).
 """
 
@@ -64,7 +65,7 @@ def instrument() -> None:
     timed(update, "_backward", "update: responses backward")
     timed(prefix.SharedPrompts, "backward", "update: prompts backward")
     timed(torch.optim.AdamW, "step", "update: optimizer step")
-    timed(attention, "fp32_sdpa_on_cpu", "generation: attention")
+    timed(attention, "fp32_sdpa_on_cpu", "attention (both phases)")
     # models load with attention.ATTENTION: register the wrapper under it, and keep it there
     attention.register()
     AttentionInterface.register(attention.ATTENTION, attention.fp32_sdpa_on_cpu)
@@ -78,6 +79,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--repeat-kv", action="store_true", help="attention before in-place GQA")
     parser.add_argument(
+        "--padded", action="store_true", help="responses padded to the longest, as before packing"
+    )
+    parser.add_argument(
         "--micro-batch", type=int, default=bench_step.MICRO_BATCH, help="train.micro_batch_size"
     )
     args = parser.parse_args()
@@ -90,6 +94,10 @@ def main() -> None:
         import atgrpo.attention as attention
 
         attention._cpu_sdpa = sdpa_attention_forward
+    if args.padded:
+        import atgrpo.algo.prefix as prefix
+
+        prefix.PACKABLE = frozenset()  # no attention takes the packed layout
     from atgrpo.attention import float32_attention
 
     step = bench_step.AtgrpoStep(

@@ -11,7 +11,13 @@ import torch
 
 from atgrpo.algo.loss import LossAggregation
 from atgrpo.algo.policy import Policy
-from atgrpo.algo.prefix import prompt_groups
+from atgrpo.algo.prefix import (
+    PackPlan,
+    pack_responses,
+    prompt_groups,
+    response_logits_on_prompts,
+    run_prompts,
+)
 from atgrpo.algo.records import Sample
 from atgrpo.algo.update import UpdateSettings, UpdateStats, ppo_update
 from atgrpo.config import load_config
@@ -93,22 +99,91 @@ def test_shared_prompts_give_the_unshared_loss_and_gradients(
 
 def test_the_prompts_of_a_micro_batch_run_in_one_forward(tmp_path: Path) -> None:
     """Three groups' prompts (lengths 5, 17, 11) in one left-padded forward, then micro-batches
-    of responses that mix groups: at most 4 forwards, not 3 prompts + 3 groups' chunks."""
+    of responses that mix groups, packed: at most 3 forwards, not 3 prompts + 3 groups' chunks,
+    and no response position is padding."""
     policy = _policy(tmp_path, "tiny.yaml")
     samples = _groups(policy, prompt_lengths=(5, 17, 11), k=3)
-    shapes: list[tuple[int, ...]] = []
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     handle = policy.model.register_forward_pre_hook(
-        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        lambda _m, _a, kw: calls.append((kw["input_ids"], kw["attention_mask"])), with_kwargs=True
     )
     try:
         _step(policy, samples, SHARED)
     finally:
         handle.remove()
-    assert shapes[0] == (3, 17)  # the three prompts, left-padded to the longest
+    assert calls[0][0].shape == (3, 17)  # the three prompts, left-padded to the longest
     # 9 responses (1-6 tokens) in micro-batches of 4 (4, 4, 1) that mix the groups; a batch
     # of one-token responses needs no forward (the prompts' last logits predict them).
-    assert 2 <= len(shapes[1:]) <= 3
-    assert all(rows <= 4 and cols <= 5 for rows, cols in shapes[1:])
+    responses = calls[1:]
+    assert 2 <= len(responses) <= 3
+    assert all(ids.shape[0] <= 3 and mask.ndim == 4 for ids, mask in responses)  # per prompt
+    # A real position sees itself (the diagonal of the responses' block); padding does not.
+    real = sum(
+        int(m[:, 0, :, -ids.shape[1] :].diagonal(dim1=-2, dim2=-1).sum()) for ids, m in responses
+    )
+    assert real == sum(len(s.response_ids) - 1 for s in samples)  # every input token once
+
+
+def test_packed_responses_layout(tmp_path: Path) -> None:
+    """Two prompts' responses packed: each prompt's responses back to back in its own row, with
+    positions after the prompt, a mask of the prompt and the same response's earlier tokens, and
+    an index that puts each logit back at its response token."""
+    policy = _policy(tmp_path, "tiny.yaml")
+    prompts = run_prompts(policy.model, [[5, 6, 7], [8, 9]], 0, None)
+    rows = torch.tensor([0, 1, 0])
+    ids = torch.tensor([[11, 12, 13], [21, 22, 0], [31, 0, 0]])
+    layout = pack_responses(prompts, rows, ids, PackPlan.of(rows, (ids > 0).long()))
+    assert layout.prompt_rows.tolist() == [0, 1]
+    assert layout.ids.tolist() == [[11, 12], [21, 0]]  # 2 + 0 and 1 input tokens
+    assert layout.positions[0].tolist() == [3, 4] and layout.positions[1, 0] == 2
+    whole, left_padded = [True] * 3, [False, True, True]  # prompt 1 has 2 tokens of 3
+    assert layout.mask[:, 0, :, :3].tolist() == [[whole, whole], [left_padded, left_padded]]
+    assert layout.mask[:, 0, :, 3:].tolist() == [
+        [[True, False], [True, True]],
+        [[True, False], [False, False]],  # the padding query sees no response token
+    ]
+    # the table: 2 prompts' last logits, then the 2 x 2 packed positions, then a zero row (6)
+    assert layout.index.tolist() == [[0, 2, 3], [1, 4, 6], [0, 6, 6]]
+
+
+def test_packing_is_taken_only_where_it_runs_fewer_positions(tmp_path: Path) -> None:
+    """Three responses of one prompt and one of another, all of 4 tokens: packed rows of 9 and
+    3 inputs padded to 9 (18 positions) against 4 padded rows of 3 (12): padded rows run."""
+    policy = _policy(tmp_path, "tiny.yaml")
+    prompts = run_prompts(policy.model, [[5, 6, 7], [8, 9]], 0, None)
+    ids = torch.full((4, 4), 11)
+    masks: list[tuple[int, ...]] = []
+    handle = policy.model.register_forward_pre_hook(
+        lambda _m, _a, kw: masks.append(tuple(kw["attention_mask"].shape)), with_kwargs=True
+    )
+    try:
+        for rows in ([0, 0, 0, 1], [0, 0, 1, 1]):  # 18 against 12; 12 against 12
+            response_logits_on_prompts(
+                policy.model, prompts, torch.tensor(rows), ids, torch.ones_like(ids), None
+            )
+        lengths = torch.tensor([[1, 1, 1], [1, 0, 0]])  # 2 + 0 inputs: 2 packed against 4
+        response_logits_on_prompts(
+            policy.model, prompts, torch.tensor([0, 0]), ids[:2, :3], lengths, None
+        )
+    finally:
+        handle.remove()
+    assert masks == [(4, 6), (4, 6), (1, 1, 2, 5)]
+
+
+def test_an_attention_without_boolean_masks_runs_padded_rows_alike(tmp_path: Path) -> None:
+    """Eager attention adds its mask to the scores, so a packed layout's boolean mask would be
+    misread: there each response is a padded row, with the same loss and gradients."""
+    policy = _policy(tmp_path, "tiny.yaml")
+    policy.model.set_attn_implementation("eager")
+    masks: list[int] = []
+    handle = policy.model.register_forward_pre_hook(
+        lambda _m, _a, kw: masks.append(kw["attention_mask"].ndim), with_kwargs=True
+    )
+    try:
+        _assert_same(policy, _groups(policy, prompt_lengths=(5, 17, 11), k=3), SHARED)
+    finally:
+        handle.remove()
+    assert masks and set(masks) == {2}
 
 
 def test_a_group_split_into_response_chunks_over_one_cached_prompt(tmp_path: Path) -> None:

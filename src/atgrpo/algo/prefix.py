@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from atgrpo.algo.records import Sample
+from atgrpo.attention import ATTENTION
 from atgrpo.generation.hf import cache_kwarg, unwrapped
 from atgrpo.models import autocast_for
 
@@ -143,22 +144,152 @@ def response_logits_on_prompts(
     response_ids: torch.Tensor,  # (m, R) right-padded
     response_mask: torch.Tensor,  # (m, R) 1 on real tokens
     autocast_dtype: torch.dtype | None,
-) -> torch.Tensor:  # (m, R, V) float32: position t predicts response token t
-    """Logits of a chunk of responses, each on top of its own shared prompt."""
+) -> torch.Tensor:  # (m, R, V) float32: position t predicts response token t (0 on padding)
+    """Logits of a chunk of responses, each on top of its own shared prompt.
+
+    Where the model's attention takes a boolean 4-D mask (atgrpo's and transformers' SDPA), the
+    responses run packed (:func:`pack_responses`), each prompt's back to back in one row, when
+    that runs fewer positions than one row per response padded to the longest (a chunk's
+    prompts with very different numbers of responses can make it run more); else padded rows.
+    The two compute the same logits up to float rounding.
+    """
+    if response_ids.shape[1] == 1:  # one token each: the prompt's last position predicts it
+        return prompts.last_logits(rows).float()
+    plan = PackPlan.of(rows, response_mask)
+    padded = response_ids.shape[0] * (response_ids.shape[1] - 1)
+    if unwrapped(model).config._attn_implementation in PACKABLE and plan.positions < padded:
+        layout = pack_responses(prompts, rows, response_ids, plan)
+        return _packed_logits(model, prompts, layout, autocast_dtype)
+    return _padded_logits(model, prompts, rows, response_ids, response_mask, autocast_dtype)
+
+
+# Attention implementations that read a boolean (batch, 1, queries, keys) mask as given.
+PACKABLE = frozenset({ATTENTION, "sdpa"})
+
+
+def _padded_logits(
+    model: Any,
+    prompts: SharedPrompts,
+    rows: torch.Tensor,  # (m,)
+    response_ids: torch.Tensor,  # (m, R)
+    response_mask: torch.Tensor,  # (m, R)
+    autocast_dtype: torch.dtype | None,
+) -> torch.Tensor:  # (m, R, V) float32
+    """One row per response, right-padded to the longest, over its prompt's cache."""
     from transformers import DynamicCache
 
     width_r = response_ids.shape[1]
-    first = prompts.last_logits(rows)  # (m, 1, V)
-    if width_r == 1:  # one token each: the prompt's last position predicts it
-        return first.float()
     cache = DynamicCache(ddp_cache_data=list(prompts.layers(rows)))
     inputs = response_ids[:, :-1]  # the last token predicts nothing
     # (m, P + R - 1): each row's prompt (left padding), then its real response tokens
     mask = torch.cat([prompts.mask[rows], response_mask[:, :-1].long()], dim=1)
     positions = prompts.lengths[rows, None] + torch.arange(width_r - 1, device=rows.device)
+    logits = _forward(model, cache, inputs, mask, positions, autocast_dtype)
+    return torch.cat([prompts.last_logits(rows), logits], dim=1).float()
+
+
+@dataclass(frozen=True)
+class PackedResponses:
+    """A chunk's responses packed without padding: one row per distinct prompt, holding its
+    responses' input tokens back to back (each response's last token predicts nothing)."""
+
+    prompt_rows: torch.Tensor  # (b,) each packed row's prompt
+    ids: torch.Tensor  # (b, T) right-padded where rows differ in length
+    positions: torch.Tensor  # (b, T) each token's position after its own prompt
+    mask: torch.Tensor  # (b, 1, T, P + T) bool: the prompt's tokens and the same response's
+    # earlier tokens; a padding query sees its prompt only (a row of no keys would give nan)
+    index: torch.Tensor  # (m, R) each response token's row of :func:`_packed_logits`' table
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Where each response's input tokens go in a packed layout (row, first column)."""
+
+    prompts: list[int]  # each packed row's prompt (a row of the shared prompts)
+    inputs: list[int]  # each response's input tokens: all but its last (which predicts nothing)
+    row: list[int]  # each response's packed row
+    start: list[int]  # each response's first column in its row
+    width: int  # the packed rows' width (the most input tokens one prompt's responses have)
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, response_mask: torch.Tensor) -> PackPlan:
+        inputs = (response_mask.sum(1).long() - 1).clamp_min(0).tolist()
+        prompts = list(dict.fromkeys(rows.tolist()))  # first seen first
+        row = [prompts.index(r) for r in rows.tolist()]
+        start, filled = [], [0] * len(prompts)
+        for i, b in enumerate(row):
+            start.append(filled[b])
+            filled[b] += inputs[i]
+        return cls(prompts, inputs, row, start, max(max(filled), 1))
+
+    @property
+    def positions(self) -> int:  # the packed forward's positions, padding included
+        return len(self.prompts) * self.width
+
+
+def pack_responses(
+    prompts: SharedPrompts,
+    rows: torch.Tensor,  # (m,)
+    response_ids: torch.Tensor,  # (m, R) right-padded
+    plan: PackPlan,
+) -> PackedResponses:
+    """The layout of :class:`PackedResponses` for ``rows``' responses, on their device."""
+    device, (m, width_r) = rows.device, response_ids.shape
+    shape = (len(plan.prompts), plan.width)
+    ids = torch.zeros(shape, dtype=torch.long, device=device)
+    offsets = torch.zeros_like(ids)
+    member = torch.full_like(ids, -1)  # which response each position holds; -1: padding
+    first = len(prompts.lengths)  # the table's first packed row, after the prompts' last logits
+    index = torch.full((m, width_r), first + ids.numel(), device=device)  # padding: zero row
+    index[:, 0] = rows  # the first token: predicted by the prompt's last position
+    for i, (b, start, n) in enumerate(zip(plan.row, plan.start, plan.inputs, strict=True)):
+        span = torch.arange(n, device=device)
+        ids[b, start : start + n] = response_ids[i, :n]
+        offsets[b, start : start + n] = span
+        member[b, start : start + n] = i
+        index[i, 1 : n + 1] = first + b * plan.width + start + span
+    prompt_rows = torch.tensor(plan.prompts, device=device)
+    same = member[:, :, None] == member[:, None, :]  # (b, T, T)
+    earlier = torch.ones((plan.width,) * 2, dtype=torch.bool, device=device).tril()
+    own = same & earlier & (member >= 0)[:, None, :]
+    sees_prompt = prompts.mask[prompt_rows].bool()[:, None, :].expand(-1, plan.width, -1)
+    mask = torch.cat([sees_prompt, own], dim=-1)[:, None]
+    positions = prompts.lengths[prompt_rows, None] + offsets
+    return PackedResponses(prompt_rows, ids, positions, mask, index)
+
+
+def _packed_logits(
+    model: Any,
+    prompts: SharedPrompts,
+    layout: PackedResponses,
+    autocast_dtype: torch.dtype | None,
+) -> torch.Tensor:  # (m, R, V) float32, 0 on padding
+    """The packed responses' forward over their prompts' cache, the logits put back in the
+    (m, R) layout: a table of every prompt's last logits, then every packed position's, then a
+    zero row for padding, gathered by the layout's index."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(ddp_cache_data=list(prompts.layers(layout.prompt_rows)))
+    logits = _forward(model, cache, layout.ids, layout.mask, layout.positions, autocast_dtype)
+    last = prompts.leaves[-1]  # (D, 1, V)
+    table = torch.cat(
+        [last.flatten(0, 1), logits.flatten(0, 1), logits.new_zeros(1, logits.shape[-1])]
+    )
+    return table[layout.index].float()
+
+
+def _forward(
+    model: Any,
+    cache: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    autocast_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The model's logits at every position of ``ids``, over ``cache``."""
     kwargs = {cache_kwarg(unwrapped(model).forward): cache}  # 5.24: cache=; 5.19: past_key_values=
     with autocast_for(model, autocast_dtype):
         out = model(
-            input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         )
-    return torch.cat([first, out.logits], dim=1).float()
+    return out.logits
