@@ -11,8 +11,9 @@ forward, loss and backward, and the optimizer step; plus the minor page faults o
 ``--repeat-kv`` runs masked grouped-query attention through transformers' ``repeat_kv`` copies,
 as atgrpo did before it attended the grouped heads in place (atgrpo.attention): alternate runs
 with and without it to measure that change inside a step; ``--padded`` runs the update's
-responses one padded row each (as before they were packed, atgrpo.algo.prefix). ``--micro-batch N`` sets the
-update's sequences per forward and backward (bench_step.py's is 8).
+responses one padded row each (as before they were packed, atgrpo.algo.prefix).
+``--micro-batch N`` sets the update's sequences per forward and backward (bench_step.py's is
+8).
 """
 
 from __future__ import annotations
