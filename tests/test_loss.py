@@ -252,3 +252,17 @@ def test_entropy_from_logits() -> None:
     )
     # uniform over 4: ln 4 = 1.386294
     assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(1.386294, abs=1e-6)
+
+
+def test_a_temperature_of_one_makes_no_pass_over_the_logits() -> None:
+    """x / 1 is x: the tempered logits are the float32 logits themselves (one pass over a
+    (B, T, V) tensor less, forward and backward), and a temperature of 2 still divides."""
+    from atgrpo.algo.loss import _tempered
+
+    logits = torch.randn(2, 3, 11)
+    assert _tempered(logits, 1.0) is logits
+    assert _tempered(logits, torch.ones(2, 1, 1)) is logits
+    halved = _tempered(logits, torch.tensor([[[1.0]], [[2.0]]]))
+    torch.testing.assert_close(halved[1], logits[1] / 2, rtol=0, atol=0)
+    got = token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long), 1.0)
+    torch.testing.assert_close(got, torch.log_softmax(logits, -1)[..., 0], rtol=0, atol=0)

@@ -125,10 +125,12 @@ def _tempered(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor:  
             )
         if not bool((temperature > 0).all()):
             raise ValueError(f"temperature must be > 0, got {temperature.flatten().tolist()}")
+        if bool((temperature == 1).all()):  # x / 1 is x: no pass over (B, T, V) either way
+            return logits.float()
         return logits.float() / temperature.float()
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    return logits.float() / temperature
+    return logits.float() if temperature == 1 else logits.float() / temperature
 
 
 def ppo_clip_loss(

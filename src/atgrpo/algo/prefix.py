@@ -9,10 +9,12 @@ answer); sharing it costs prompt + K x answer:
    and last position's logits (which predict each first response token) are kept, and
    detached copies of them become leaves that collect gradients.
 2. :func:`response_logits_on_prompts`: a micro-batch of responses (m, R), from one group or
-   several, runs on top of its prompts' leaves (one group's: the prompt's row expanded to m
-   rows, a view; several groups': their rows gathered), with the position ids the unshared
-   layout gives them (P_i, P_i + 1, ...). Its backward stops at the leaves and adds into their
-   ``.grad``.
+   several, runs on top of its prompts' leaves, with the position ids the unshared layout
+   gives them (P_i, P_i + 1, ...): packed (:func:`pack_responses`: each prompt's responses back
+   to back in one row over that prompt's cache, no position padding) where the attention reads
+   a boolean mask and that runs fewer positions, else one padded row per response (the
+   prompt's row expanded to them, a view, or gathered). Its backward stops at the leaves and
+   adds into their ``.grad``.
 3. :meth:`SharedPrompts.backward`: once every response of those prompts has run, the prompts'
    graph is back-propagated with the leaves' summed gradients, so the prompts' part of the
    parameter gradient flows through one prompt computation (one pass over the weights'
@@ -275,7 +277,8 @@ def _packed_logits(
     table = torch.cat(
         [last.flatten(0, 1), logits.flatten(0, 1), logits.new_zeros(1, logits.shape[-1])]
     )
-    return table[layout.index].float()
+    rows = table.index_select(0, layout.index.flatten())  # backward: one index_add (2x faster
+    return rows.view(*layout.index.shape, -1).float()  # than advanced indexing's index_put)
 
 
 def _forward(
