@@ -582,7 +582,8 @@ class TrainConfig(_Section):
         True,
         description=(
             "Run each group's prompt once in the update, with gradients, and share its key/value "
-            "cache over the group's responses (exact: the same loss and gradient); false: every "
+            "cache over the group's responses, packed back to back without padding where the "
+            "attention takes a boolean mask (exact: the same loss and gradient); false: every "
             "sample recomputes its prompt."
         ),
     )
