@@ -146,14 +146,16 @@ def response_logits_on_prompts(
     response_ids: torch.Tensor,  # (m, R) right-padded
     response_mask: torch.Tensor,  # (m, R) 1 on real tokens
     autocast_dtype: torch.dtype | None,
-) -> torch.Tensor:  # (m, R, V) float32: position t predicts response token t (0 on padding)
+) -> torch.Tensor:  # (m, R, V) float32: position t predicts response token t
     """Logits of a chunk of responses, each on top of its own shared prompt.
 
     Where the model's attention takes a boolean 4-D mask (atgrpo's and transformers' SDPA), the
     responses run packed (:func:`pack_responses`), each prompt's back to back in one row, when
     that runs fewer positions than one row per response padded to the longest (a chunk's
     prompts with very different numbers of responses can make it run more); else padded rows.
-    The two compute the same logits up to float rounding.
+    The two compute the same logits up to float rounding at every response token; at padding
+    positions (which the loss masks) the packed logits are 0, the padded rows' whatever the pad
+    token gives.
     """
     if response_ids.shape[1] == 1:  # one token each: the prompt's last position predicts it
         return prompts.last_logits(rows).float()
