@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,21 +12,9 @@ import torch
 import atgrpo.algo.prefix as prefix
 from atgrpo.config import load_config
 from atgrpo.policies import build_policies
-from conftest import REPO
+from conftest import REPO, bench_module
 
-
-def _module() -> Any:
-    sys.path.insert(0, str(REPO / "bench"))  # it imports bench_step
-    spec = importlib.util.spec_from_file_location(
-        "bench_packing", REPO / "bench" / "bench_packing.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _module()
+bench = bench_module("bench_packing")
 
 
 def test_layouts_alternate_on_the_same_weights(tmp_path: Path, capsys: Any) -> None:

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import bench_module
 
-
-def _module() -> Any:
-    path = REPO / "bench" / "bench_step.py"
-    spec = importlib.util.spec_from_file_location("bench_step", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _module()
+bench = bench_module("bench_step")
 
 
 def _summary() -> dict[str, Any]:

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import REPO
+from conftest import bench_module
 
-
-def _module() -> Any:
-    path = REPO / "bench" / "time_to_result.py"
-    spec = importlib.util.spec_from_file_location("time_to_result", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ttr = _module()
+ttr = bench_module("time_to_result")
 
 
 def _rows() -> list[dict[str, Any]]:
