@@ -159,11 +159,11 @@ def response_logits_on_prompts(
     """
     if response_ids.shape[1] == 1:  # one token each: the prompt's last position predicts it
         return prompts.last_logits(rows).float()
-    plan = PackPlan.of(rows, response_mask)
-    padded = response_ids.shape[0] * (response_ids.shape[1] - 1)
-    if unwrapped(model).config._attn_implementation in PACKABLE and plan.positions < padded:
-        layout = pack_responses(prompts, rows, response_ids, plan)
-        return _packed_logits(model, prompts, layout, autocast_dtype)
+    if unwrapped(model).config._attn_implementation in PACKABLE:
+        plan = PackPlan.of(rows, response_mask)
+        if plan.positions < response_ids.shape[0] * (response_ids.shape[1] - 1):  # padded's
+            layout = pack_responses(prompts, rows, response_ids, plan)
+            return _packed_logits(model, prompts, layout, autocast_dtype)
     return _padded_logits(model, prompts, rows, response_ids, response_mask, autocast_dtype)
 
 
@@ -218,8 +218,9 @@ class PackPlan:
     @classmethod
     def of(cls, rows: torch.Tensor, response_mask: torch.Tensor) -> PackPlan:
         inputs = (response_mask.sum(1).long() - 1).clamp_min(0).tolist()
-        prompts = list(dict.fromkeys(rows.tolist()))  # first seen first
-        row = [prompts.index(r) for r in rows.tolist()]
+        of_each = rows.tolist()
+        prompts = list(dict.fromkeys(of_each))  # first seen first
+        row = [prompts.index(r) for r in of_each]
         start, filled = [], [0] * len(prompts)
         for i, b in enumerate(row):
             start.append(filled[b])
