@@ -65,16 +65,20 @@ takes on this machine, bf16 where the CPU computes it natively (AVX512-BF16 or A
 bf16), else fp32. On a CPU without them PyTorch emulates bf16 matmuls, several times slower
 than its fp32 ones (docs/results.md), so a bf16 step there measures the emulation.
 
-The roofline (workload a): the parent measures this machine's limits in the same run, a matmul
-in the step's precision (GFLOP/s, 2048 and 4096 square) and a large tensor copy (GB/s, read +
-write), and each variant is shown against them: generation's bound is its prefill's FLOPs at
-the matmul rate plus, per new token, the larger of reading the weights once (bf16: 2 bytes a
-parameter, fp32: 4) at the copy bandwidth and
-the decode step's FLOPs (2 x parameters x rows) at the matmul rate; the update's achieved
-GFLOP/s is 6 x parameters x the tokens it runs forward and backward (a shared prompt once per
-group) / its seconds. "gen x bound" is generation time / its bound (1 = at the machine's
-limit); "upd % mm" the update's rate as a share of the matmul rate. ``--profile`` adds
-torch.profiler's top operators of one atgrpo-share step, per phase.
+The roofline (both workloads): the parent measures this machine's limits in the same run, a
+matmul in the step's precision (GFLOP/s, 2048 and 4096 square) and a large tensor copy (GB/s,
+read + write), and each variant is shown against them: generation's bound is its prefill's
+FLOPs at the matmul rate plus, per new token, the larger of reading the weights once (bf16: 2
+bytes a parameter, fp32: 4) at the copy bandwidth and the decode step's FLOPs (2 x parameters
+x rows) at the matmul rate; the update's achieved GFLOP/s is 6 x parameters x the tokens it
+runs forward and backward (a shared prompt once per group) / its seconds. "gen x bound" is
+generation time / its bound (1 = at the machine's limit); "upd % mm" the update's rate as a
+share of the matmul rate. In workload b, generation is the time inside the rollout's
+``HFGenerator`` calls (each agent's turns, the lookahead probes), its bound the sum of each
+call's at its own rows, prefill tokens (each distinct prompt once where the prefill is shared)
+and steps, as medians over the settled steps; the update's tokens count each PPO epoch (a
+separate pi_old forward, where there is one, is not counted: the rate shown is then a floor).
+``--profile`` adds torch.profiler's top operators of one atgrpo-share step, per phase.
 
 Numbers vary with the machine and its load; compare the rows of one run, not runs.
 """
@@ -489,17 +493,46 @@ def run_workload_b(
     variant: str, model: str, steps: int, seed: int, precision: str, profile: bool = False
 ) -> dict[str, Any]:
     from atgrpo.config import load_config
+    from atgrpo.generation import HFGenerator
     from atgrpo.training import loop as train_module
 
     tokens: list[float] = []
+    flop_tokens: list[float] = []  # per step: tokens run forward and backward, x the epochs
+    step_calls: list[list[dict[str, float]]] = []  # per step: its generate calls
+    calls: list[dict[str, float]] = []
+    params: list[int] = []
     update_policies = train_module.update_policies
+    generate_batch = HFGenerator._generate_batch
+    share = variant == "atgrpo-share"
 
     def counting(rt: Any, samples: list[Any]) -> Any:  # the step's prompt + response tokens
         tokens.append(float(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)))
-        return update_policies(rt, samples)
+        step_calls.append(calls.copy())
+        calls.clear()
+        out = update_policies(rt, samples)  # assigns the advantages update_tokens reads
+        flop_tokens.append(float(update_tokens(samples, share) * rt.cfg.train.ppo_epochs))
+        return out
 
+    def timed(self: Any, prompts: list[list[int]], *args: Any) -> Any:
+        start = time.perf_counter()
+        out = generate_batch(self, prompts, *args)
+        seconds = time.perf_counter() - start
+        if not params:
+            params.append(sum(p.numel() for p in self.model.parameters()))
+        distinct = {tuple(p) for p in prompts} if self.share_prefill else prompts
+        calls.append(
+            {
+                "rows": float(len(prompts)),
+                "prefill": float(sum(len(p) for p in distinct)),
+                "steps": float(max((len(g.token_ids) for g in out), default=0)),
+                "s": seconds,
+            }
+        )
+        return out
+
+    HFGenerator._generate_batch = timed  # type: ignore[method-assign]
     train_module.update_policies = counting
-    flag = "true" if variant == "atgrpo-share" else "false"
+    flag = "true" if share else "false"
     with tempfile.TemporaryDirectory(prefix="bench_step_") as out:
         cfg = load_config(
             DEMO_CONFIG,
@@ -525,10 +558,12 @@ def run_workload_b(
             "tokens": n,
             "computed": sum(v for k, v in m.items() if k.endswith("computed_samples")),
             "skipped": sum(v for k, v in m.items() if k.endswith("/skipped")),
+            "gen_calls": c,
+            "update_tokens": f,
         }
-        for m, n in zip(result.history, tokens, strict=True)
+        for m, n, c, f in zip(result.history, tokens, step_calls, flop_tokens, strict=True)
     ]
-    return {"history": history}
+    return {"history": history, "params": params[0] if params else 0}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -597,6 +632,7 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         "prefill_tokens": median(settled, "prefill_tokens"),
         "update_tokens": median(settled, "update_tokens"),
         "params": results[0].get("params", 0),
+        "gen_calls": [row["gen_calls"] for row in settled if "gen_calls" in row],  # workload b
         "rss": max(r["peak_rss_mib"] for r in results),
         "per_step": [[r["step_s"] for r in rows] for rows in histories],
         "settled": [[i + 1 for i, r in enumerate(rows) if r in settled] for rows in histories],
@@ -642,20 +678,51 @@ def _best_of(fn: Any, repeats: int) -> float:
 
 
 def roofline(s: dict[str, Any], limits: dict[str, float], precision: str) -> dict[str, float]:
-    """Generation's bound (seconds) and the update's achieved GFLOP/s (module docstring)."""
-    params, matmul = s["params"], limits["matmul_gflops"] * 1e9
+    """Generation's bound (seconds) and the update's achieved GFLOP/s (module docstring).
+
+    Workload b (``gen_calls``: each settled step's generate calls): generation is the time
+    inside generate, its bound the sum of each call's, and the three are medians over steps."""
     rows = NUM_PROMPTS * K
-    weights_s = WEIGHT_BYTES[precision] * params / (limits["copy_gbs"] * 1e9)  # once a step
-    decode_s = max(weights_s, 2 * params * rows / matmul)
-    gen_bound = 2 * params * s["prefill_tokens"] / matmul + MAX_NEW_TOKENS * decode_s
-    update_gflops = 6 * params * s["update_tokens"] / s["update_s"] / 1e9
+    update_gflops = 6 * s["params"] * s["update_tokens"] / s["update_s"] / 1e9
+    if s.get("gen_calls"):
+        per_step = [
+            (
+                sum(c["s"] for c in calls),
+                sum(gen_bound(s["params"], c, limits, precision) for c in calls),
+            )
+            for calls in s["gen_calls"]
+        ]
+        gen_s = statistics.median(g for g, _ in per_step)
+        bound = statistics.median(b for _, b in per_step)
+        ratio = statistics.median(g / b for g, b in per_step)
+    else:
+        one = {"rows": rows, "prefill": s["prefill_tokens"], "steps": MAX_NEW_TOKENS}
+        gen_s, bound = s["gen_s"], gen_bound(s["params"], one, limits, precision)
+        ratio = gen_s / bound
     return {
-        "decode_ms": 1e3 * decode_s,
-        "gen_bound_s": gen_bound,
-        "gen_x_bound": s["gen_s"] / gen_bound,
+        "decode_ms": 1e3 * decode_bound(s["params"], rows, limits, precision),
+        "gen_s": gen_s,
+        "gen_bound_s": bound,
+        "gen_x_bound": ratio,
         "update_gflops": update_gflops,
         "update_share": update_gflops / limits["matmul_gflops"],
     }
+
+
+def gen_bound(
+    params: float, call: dict[str, float], limits: dict[str, float], precision: str
+) -> float:
+    """One generate call's bound (seconds): its prefill's FLOPs at the matmul rate plus, per
+    decode step, :func:`decode_bound` at its rows."""
+    prefill = 2 * params * call["prefill"] / (limits["matmul_gflops"] * 1e9)
+    return prefill + call["steps"] * decode_bound(params, call["rows"], limits, precision)
+
+
+def decode_bound(params: float, rows: float, limits: dict[str, float], precision: str) -> float:
+    """A decode step's bound (seconds): reading the weights once at the copy bandwidth, or its
+    FLOPs (2 x parameters x rows) at the matmul rate, whichever is larger."""
+    weights_s = WEIGHT_BYTES[precision] * params / (limits["copy_gbs"] * 1e9)
+    return max(weights_s, 2 * params * rows / (limits["matmul_gflops"] * 1e9))
 
 
 def print_roofline(
@@ -674,7 +741,7 @@ def print_roofline(
             continue
         r = roofline(s, limits, precision)
         print(
-            f"{name:<16}{s['gen_s']:>8.2f}{r['gen_bound_s']:>9.2f}{r['gen_x_bound']:>13.1f}"
+            f"{name:<16}{r['gen_s']:>8.2f}{r['gen_bound_s']:>9.2f}{r['gen_x_bound']:>13.1f}"
             f"{r['update_gflops']:>13.0f}{100 * r['update_share']:>9.0f}%"
         )
 
@@ -842,8 +909,12 @@ def report(
             print_table(w, tables)
             if rounds > 1:
                 print_rounds(tables)
-            if w == "a":
-                print_roofline(tables, limits, precision)
+            print_roofline(tables, limits, precision)
+            if w == "b":
+                print(
+                    "(b) gen s: the time inside generate (not the rollout's env steps, programs "
+                    "and bookkeeping); the bound sums each generate call's, at its rows and steps"
+                )
     print(
         "\ngen s: generation (b: the whole rollout with env steps); update s: advantages + "
         "update; tokens: prompt + response tokens of the step's samples; tokens/s = tokens / "

@@ -73,3 +73,19 @@ def test_variants_can_be_narrowed_and_vllm_joins_only_workload_a() -> None:
     assert bench.variants("a", True) == (*bench.VARIANTS["a"], "atgrpo-vllm")
     assert bench.variants("b", True) == bench.VARIANTS["b"]
     assert bench.variants("b", False, ["plain"]) == ()
+
+
+def test_workload_b_sums_each_generate_call_s_bound_and_takes_medians_over_steps() -> None:
+    # Two steps of two calls; fp32 at 1 GB/s and 1 TFLOP/s: every decode step reads 0.4 s of
+    # weights (FLOPs: 2 x 1e8 x rows = at most 6.4 ms), a prefill token costs 0.2 ms.
+    limits = {"matmul_gflops": 1e3, "copy_gbs": 1.0}
+    calls = [
+        {"rows": 16.0, "prefill": 500.0, "steps": 10.0, "s": 6.0},  # bound 0.1 + 4.0
+        {"rows": 4.0, "prefill": 0.0, "steps": 2.0, "s": 1.0},  # bound 0.8
+    ]
+    slower = [{**c, "s": 2 * c["s"]} for c in calls]
+    s = {**_summary(), "gen_s": 99.0, "gen_calls": [calls, slower]}
+    r = bench.roofline(s, limits, "fp32")
+    assert r["gen_bound_s"] == pytest.approx(4.9)
+    assert r["gen_s"] == pytest.approx(10.5)  # median of 7 and 14: the rollout's 99 s unused
+    assert r["gen_x_bound"] == pytest.approx(10.5 / 4.9)
