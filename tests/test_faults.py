@@ -269,3 +269,28 @@ def test_a_disk_that_fills_up_mid_checkpoint_is_one_line_and_loses_nothing(
         assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_resumed_auto_run_keeps_the_precision_it_started_in(tmp_path: Path) -> None:
+    """``model.precision: auto`` is resolved when a run starts; a resume on a machine where
+    auto would take the other precision keeps the run's (checkpoint ``precision``), says so,
+    and lets go of it when the run ends."""
+    from atgrpo.config import Precision
+    from atgrpo.policies import pin_auto_precision, resolved_precision
+
+    here = resolved_precision(Precision.AUTO)
+    other = Precision.FP32 if here is Precision.BF16_AUTOCAST else Precision.BF16_AUTOCAST
+    pin_auto_precision(other)  # the machine the run started on
+    try:
+        train(_cfg(tmp_path, "train.steps=2", "model.precision=auto"))
+    finally:
+        pin_auto_precision(None)
+    root = tmp_path / "run" / "checkpoints"
+    assert ckpt.load_trainer_state(root / "step-000002")["precision"] == other.value
+    with pytest.warns(ResumeWarning, match=f"auto took {other} when this run started"):
+        train(_cfg(tmp_path, "train.steps=3", "model.precision=auto"), resume=True)
+    assert ckpt.load_trainer_state(root / "step-000003")["precision"] == other.value
+    assert resolved_precision(Precision.AUTO) is here  # the pin ends with the run
+    pinned = f"model.precision={here.value}"  # a precision named in the config is taken as is
+    train(_cfg(tmp_path, "train.steps=4", pinned), resume=True)
+    assert ckpt.load_trainer_state(root / "step-000004")["precision"] == here.value

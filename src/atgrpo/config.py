@@ -121,7 +121,9 @@ class ModelConfig(_Section):
             "with bf16, or on a CPU with AVX512-BF16 / AMX where a start-up probe finds a bf16 "
             "linear layer clearly faster (under 0.8x) than a float32 one, else fp32 (an "
             "AVX2-only CPU emulates bf16: a forward 5-8x slower; an AVX512-BF16 Xeon without "
-            "AMX ran bf16 matmuls at half the fp32 rate; docs/results.md). Pin fp32 or "
+            "AMX ran bf16 matmuls at half the fp32 rate; docs/results.md). auto is decided "
+            "when a run starts and recorded in its checkpoints: a resumed run keeps it (a "
+            "warning says so where this machine would choose the other). Pin fp32 or "
             "bf16_autocast where runs must match across machines."
         ),
     )

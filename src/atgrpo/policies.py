@@ -226,11 +226,31 @@ def describe_regime(cfg: Config, policy_of: Mapping[str, str]) -> str:
 
 
 def autocast_dtype_for(precision: Precision) -> torch.dtype | None:
-    if precision is Precision.FP32:
-        return None
-    if precision is Precision.BF16_AUTOCAST:
-        return torch.bfloat16
-    return torch.bfloat16 if bf16_supported() else None
+    return torch.bfloat16 if resolved_precision(precision) is Precision.BF16_AUTOCAST else None
+
+
+# What ``auto`` means in this process when pinned (a resumed run keeps its start's choice).
+_AUTO_PINNED: list[Precision] = []
+
+
+def resolved_precision(precision: Precision) -> Precision:
+    """``precision`` with ``auto`` resolved: the pinned choice (:func:`pin_auto_precision`),
+    else bf16 autocast where :func:`atgrpo.models.bf16_supported` finds it faster, else fp32."""
+    if precision is not Precision.AUTO:
+        return precision
+    if _AUTO_PINNED:
+        return _AUTO_PINNED[-1]
+    return Precision.BF16_AUTOCAST if bf16_supported() else Precision.FP32
+
+
+def pin_auto_precision(precision: Precision | None) -> None:
+    """Make ``auto`` mean ``precision`` in this process (None: measure again): a resumed run
+    computes in the precision its checkpoint recorded, not in what this machine prefers."""
+    _AUTO_PINNED.clear()
+    if precision is not None:
+        if precision is Precision.AUTO:
+            raise ValueError("pin auto to fp32 or bf16_autocast, not to auto")
+        _AUTO_PINNED.append(precision)
 
 
 def lr_factor(

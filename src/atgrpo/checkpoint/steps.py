@@ -4,7 +4,7 @@ Layout of ``<run_dir>/checkpoints/step-000012/``::
 
     policy-<id>/            one folder per policy (:mod:`atgrpo.checkpoint.policy_dir`)
     trainer_state.json      step, routing, the kind of each policy, metrics of the last step,
-                            the resolved config
+                            the resolved config, the precision ``auto`` took
     rng.pt                  Python, NumPy and torch RNG states
     manifest.json           every other file's size and SHA-256
 

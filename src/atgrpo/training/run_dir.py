@@ -29,7 +29,8 @@ from typing import Any
 import yaml
 
 from atgrpo import checkpoint as ckpt
-from atgrpo.config import Config, dump_config
+from atgrpo.config import Config, Precision, dump_config
+from atgrpo.policies import pin_auto_precision, resolved_precision
 
 LOCK_FILE = "train.lock"  # in the run folder: held (flock) by the process training there
 LOG_FILES = ("metrics.jsonl", "samples.jsonl")  # JSON lines with a "step", cut back on resume
@@ -186,6 +187,34 @@ def _check_config(cfg: Config, checkpoint: Path, force: bool) -> None:
     for change in changes:
         forced = " (--force)" if change in fixed else ""
         _warn(f"resume from {checkpoint.name}: config {show_change(change)}{forced}")
+
+
+@contextmanager
+def kept_precision(cfg: Config, checkpoint: Path | None) -> Iterator[None]:
+    """Inside the block, ``model.precision: auto`` means what it took when the run started
+    (the ``precision`` its checkpoint recorded), not what this machine would take: a run resumed
+    on another CPU, or where the probe now decides otherwise, keeps computing as it did, and a
+    one-line warning says so when the two differ. A fresh run, or a checkpoint from before the
+    record, resolves ``auto`` here as always."""
+    recorded = None
+    if checkpoint is not None and cfg.model.precision is Precision.AUTO:
+        recorded = ckpt.load_trainer_state(checkpoint).get("precision")
+    if checkpoint is None or recorded is None:
+        yield
+        return
+    kept = Precision(recorded)
+    here = resolved_precision(Precision.AUTO)
+    if here is not kept:
+        _warn(
+            f"resume from {checkpoint.name}: model.precision auto took {kept} when this run "
+            f"started and would take {here} on this machine; the run keeps {kept} (set "
+            f"model.precision={here.value} to change it)"
+        )
+    pin_auto_precision(kept)
+    try:
+        yield
+    finally:
+        pin_auto_precision(None)
 
 
 def changes_since(cfg: Config, checkpoint: Path) -> list[tuple[str, Any, Any]] | None:
