@@ -271,10 +271,13 @@ def test_a_disk_that_fills_up_mid_checkpoint_is_one_line_and_loses_nothing(
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_a_resumed_auto_run_keeps_the_precision_it_started_in(tmp_path: Path) -> None:
-    """``model.precision: auto`` is resolved when a run starts; a resume on a machine where
-    auto would take the other precision keeps the run's (checkpoint ``precision``), says so,
-    and lets go of it when the run ends."""
+def test_a_resumed_auto_run_keeps_the_precision_it_started_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.precision: auto`` is resolved when a run starts; a resume (or an evaluation of
+    its checkpoint) on a machine where auto would take the other precision keeps the run's
+    (checkpoint ``precision``), says so, and lets go of it when done."""
+    from atgrpo import api
     from atgrpo.config import Precision
     from atgrpo.policies import pin_auto_precision, resolved_precision
 
@@ -287,10 +290,22 @@ def test_a_resumed_auto_run_keeps_the_precision_it_started_in(tmp_path: Path) ->
         pin_auto_precision(None)
     root = tmp_path / "run" / "checkpoints"
     assert ckpt.load_trainer_state(root / "step-000002")["precision"] == other.value
-    with pytest.warns(ResumeWarning, match=f"auto took {other} when this run started"):
+    with pytest.warns(ResumeWarning, match=f"auto took {other} when its run started"):
         train(_cfg(tmp_path, "train.steps=3", "model.precision=auto"), resume=True)
     assert ckpt.load_trainer_state(root / "step-000003")["precision"] == other.value
     assert resolved_precision(Precision.AUTO) is here  # the pin ends with the run
+    seen: list[Precision] = []
+    build = api.build_runtime
+
+    def building(*args: object) -> object:
+        seen.append(resolved_precision(Precision.AUTO))
+        return build(*args)
+
+    monkeypatch.setattr(api, "build_runtime", building)
+    with pytest.warns(UserWarning, match=f"evaluation of step-000003: .* keeps {other}"):
+        api.evaluate(_cfg(tmp_path, "model.precision=auto"), root / "step-000003", num_tasks=2)
+    assert seen == [other]  # a checkpoint is evaluated in the precision it trained in
+    assert resolved_precision(Precision.AUTO) is here
     pinned = f"model.precision={here.value}"  # a precision named in the config is taken as is
     train(_cfg(tmp_path, "train.steps=4", pinned), resume=True)
     assert ckpt.load_trainer_state(root / "step-000004")["precision"] == here.value

@@ -122,8 +122,9 @@ class ModelConfig(_Section):
             "linear layer clearly faster (under 0.8x) than a float32 one, else fp32 (an "
             "AVX2-only CPU emulates bf16: a forward 5-8x slower; an AVX512-BF16 Xeon without "
             "AMX ran bf16 matmuls at half the fp32 rate; docs/results.md). auto is decided "
-            "when a run starts and recorded in its checkpoints: a resumed run keeps it (a "
-            "warning says so where this machine would choose the other). Pin fp32 or "
+            "when a run starts and recorded in its checkpoints: a resumed run, and an "
+            "evaluation of its checkpoint, keep it (a warning says so where this machine would "
+            "choose the other). Pin fp32 or "
             "bf16_autocast where runs must match across machines."
         ),
     )

@@ -190,12 +190,13 @@ def _check_config(cfg: Config, checkpoint: Path, force: bool) -> None:
 
 
 @contextmanager
-def kept_precision(cfg: Config, checkpoint: Path | None) -> Iterator[None]:
-    """Inside the block, ``model.precision: auto`` means what it took when the run started
-    (the ``precision`` its checkpoint recorded), not what this machine would take: a run resumed
-    on another CPU, or where the probe now decides otherwise, keeps computing as it did, and a
-    one-line warning says so when the two differ. A fresh run, or a checkpoint from before the
-    record, resolves ``auto`` here as always."""
+def kept_precision(cfg: Config, checkpoint: Path | None, action: str = "resume") -> Iterator[None]:
+    """Inside the block, ``model.precision: auto`` means what it took when the run of
+    ``checkpoint`` started (the ``precision`` its checkpoints record), not what this machine
+    would take: a run resumed, or a checkpoint evaluated (``action``), on another CPU or where the
+    probe now decides otherwise computes as the run did, and a one-line warning says so when the
+    two differ. Without a checkpoint, or with one from before the record, ``auto`` is resolved
+    here as always."""
     recorded = None
     if checkpoint is not None and cfg.model.precision is Precision.AUTO:
         recorded = ckpt.load_trainer_state(checkpoint).get("precision")
@@ -205,10 +206,12 @@ def kept_precision(cfg: Config, checkpoint: Path | None) -> Iterator[None]:
     kept = Precision(recorded)
     here = resolved_precision(Precision.AUTO)
     if here is not kept:
-        _warn(
-            f"resume from {checkpoint.name}: model.precision auto took {kept} when this run "
-            f"started and would take {here} on this machine; the run keeps {kept} (set "
-            f"model.precision={here.value} to change it)"
+        warnings.warn(
+            f"{action} of {checkpoint.name}: model.precision auto took {kept} when its run "
+            f"started and would take {here} on this machine; the {action} keeps {kept} (set "
+            f"model.precision={here.value} to change it)",
+            ckpt.ResumeWarning if action == "resume" else UserWarning,
+            stacklevel=3,
         )
     pin_auto_precision(kept)
     try:
