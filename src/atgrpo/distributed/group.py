@@ -31,7 +31,7 @@ from atgrpo.algo.records import Sample
 from atgrpo.algo.update import UpdateSettings, UpdateStats
 from atgrpo.config import Config, Sharding, WorkerGroupConfig
 from atgrpo.distributed.cluster import RayConnection, get_all, worker_env_vars
-from atgrpo.distributed.layout import group_resources, worker_groups
+from atgrpo.distributed.layout import group_resources, worker_config, worker_groups
 from atgrpo.distributed.worker import PolicyWorker
 from atgrpo.generation import Generation, SamplingParams
 
@@ -56,7 +56,7 @@ class PolicyGroup:
         self.placement = placement_group([bundle] * n, strategy=resources.placement.value)
         env = worker_env_vars()
         actor: Any = ray.remote(PolicyWorker)  # handles are typed loosely: ray's stubs are partial
-        raw = cfg.model_dump(mode="json")
+        raw = worker_config(cfg)
         own = {pid: str(weights[pid]) for pid in policy_ids if pid in weights}
         self.workers: list[Any] = [
             actor.options(

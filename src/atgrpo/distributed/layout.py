@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from atgrpo.config import Config, ConfigError, WorkerGroupConfig
+from atgrpo.policies import resolved_precision
 
 
 def worker_groups(cfg: Config) -> dict[str, list[str]]:
@@ -34,3 +37,12 @@ def group_resources(cfg: Config, policy_ids: list[str]) -> WorkerGroupConfig:
                 f"the worker group of {policy_ids[0]!r}; set its resources there only"
             )
     return first
+
+
+def worker_config(cfg: Config) -> dict[str, Any]:
+    """The config a group's workers build their policies from: ``cfg`` with
+    ``model.precision`` resolved in this process (``auto``: this machine's choice, or the
+    resumed run's), so that every rank, on any node, computes in the driver's precision."""
+    raw = cfg.model_dump(mode="json")
+    raw["model"]["precision"] = resolved_precision(cfg.model.precision).value
+    return raw
