@@ -230,7 +230,7 @@ def autocast_dtype_for(precision: Precision) -> torch.dtype | None:
 
 
 # What ``auto`` means in this process when pinned (a resumed run keeps its start's choice).
-_AUTO_PINNED: list[Precision] = []
+_auto_pinned: Precision | None = None
 
 
 def resolved_precision(precision: Precision) -> Precision:
@@ -238,19 +238,18 @@ def resolved_precision(precision: Precision) -> Precision:
     else bf16 autocast where :func:`atgrpo.models.bf16_supported` finds it faster, else fp32."""
     if precision is not Precision.AUTO:
         return precision
-    if _AUTO_PINNED:
-        return _AUTO_PINNED[-1]
+    if _auto_pinned is not None:
+        return _auto_pinned
     return Precision.BF16_AUTOCAST if bf16_supported() else Precision.FP32
 
 
 def pin_auto_precision(precision: Precision | None) -> None:
     """Make ``auto`` mean ``precision`` in this process (None: measure again): a resumed run
     computes in the precision its checkpoint recorded, not in what this machine prefers."""
-    _AUTO_PINNED.clear()
-    if precision is not None:
-        if precision is Precision.AUTO:
-            raise ValueError("pin auto to fp32 or bf16_autocast, not to auto")
-        _AUTO_PINNED.append(precision)
+    global _auto_pinned
+    if precision is Precision.AUTO:
+        raise ValueError("pin auto to fp32 or bf16_autocast, not to auto")
+    _auto_pinned = precision
 
 
 def lr_factor(
