@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -276,36 +277,45 @@ def test_a_resumed_auto_run_keeps_the_precision_it_started_in(
 ) -> None:
     """``model.precision: auto`` is resolved when a run starts; a resume (or an evaluation of
     its checkpoint) on a machine where auto would take the other precision keeps the run's
-    (checkpoint ``precision``), says so, and lets go of it when done."""
-    from atgrpo import api
+    (checkpoint ``precision``) and says so."""
+    from atgrpo import api, policies
     from atgrpo.config import Precision
-    from atgrpo.policies import pin_auto_precision, resolved_precision
+    from atgrpo.policies import resolved_precision
 
     here = resolved_precision(Precision.AUTO)
     other = Precision.FP32 if here is Precision.BF16_AUTOCAST else Precision.BF16_AUTOCAST
-    pin_auto_precision(other)  # the machine the run started on
-    try:
+    with monkeypatch.context() as started_on:  # the machine the run started on
+        started_on.setattr(policies, "bf16_supported", lambda: other is Precision.BF16_AUTOCAST)
         train(_cfg(tmp_path, "train.steps=2", "model.precision=auto"))
-    finally:
-        pin_auto_precision(None)
     root = tmp_path / "run" / "checkpoints"
     assert ckpt.load_trainer_state(root / "step-000002")["precision"] == other.value
     with pytest.warns(ResumeWarning, match=f"auto took {other} when its run started"):
         train(_cfg(tmp_path, "train.steps=3", "model.precision=auto"), resume=True)
     assert ckpt.load_trainer_state(root / "step-000003")["precision"] == other.value
-    assert resolved_precision(Precision.AUTO) is here  # the pin ends with the run
-    seen: list[Precision] = []
+    seen: list[tuple[Precision, torch.dtype | None]] = []
     build = api.build_runtime
 
-    def building(*args: object) -> object:
-        seen.append(resolved_precision(Precision.AUTO))
-        return build(*args)
+    def building(*args: Any) -> Any:
+        rt = build(*args)
+        seen.append((rt.precision, next(iter(rt.policies.values())).autocast_dtype))
+        return rt
 
     monkeypatch.setattr(api, "build_runtime", building)
     with pytest.warns(UserWarning, match=f"evaluation of step-000003: .* keeps {other}"):
         api.evaluate(_cfg(tmp_path, "model.precision=auto"), root / "step-000003", num_tasks=2)
-    assert seen == [other]  # a checkpoint is evaluated in the precision it trained in
-    assert resolved_precision(Precision.AUTO) is here
+    bf16 = torch.bfloat16 if other is Precision.BF16_AUTOCAST else None
+    assert seen == [(other, bf16)]  # a checkpoint is evaluated in the precision it trained in
+    import atgrpo.distributed
+
+    def ray_groups(cfg: Any, weights: Any) -> Any:  # Ray's workers get the run's precision
+        seen.append((cfg.model.precision, None))
+        raise RuntimeError("no Ray here")
+
+    monkeypatch.setattr(atgrpo.distributed, "start_ray_policies", ray_groups)
+    ray = _cfg(tmp_path, "model.precision=auto", "backend.kind=ray")
+    with pytest.warns(ResumeWarning), pytest.raises(RuntimeError, match="no Ray here"):
+        api.build_runtime(ray, root / "step-000003")
+    assert seen[-1] == (other, None)
     pinned = f"model.precision={here.value}"  # a precision named in the config is taken as is
     train(_cfg(tmp_path, "train.steps=4", pinned), resume=True)
     assert ckpt.load_trainer_state(root / "step-000004")["precision"] == here.value

@@ -13,7 +13,6 @@ from atgrpo.config import Config, ConfigError
 from atgrpo.splits import Split
 from atgrpo.training.evaluation import EvalReport, check_checkpoint_config
 from atgrpo.training.loop import train
-from atgrpo.training.run_dir import kept_precision
 from atgrpo.training.runtime import build_runtime, seed_everything
 
 __all__ = ["evaluate", "load_checkpoint", "train"]
@@ -64,9 +63,8 @@ def evaluate(
     if folder is not None:
         check_checkpoint_config(cfg, folder, force)
     seed_everything(cfg.run.seed)
-    with kept_precision(cfg, folder, "evaluation"):  # the precision the run trained in
-        rt = build_runtime(cfg, folder)
-        try:
-            return rt.evaluate(held_out, cfg.eval.num_tasks if num_tasks is None else num_tasks)
-        finally:
-            rt.close()
+    rt = build_runtime(cfg, folder, "evaluation")  # in the precision the run trained in
+    try:
+        return rt.evaluate(held_out, cfg.eval.num_tasks if num_tasks is None else num_tasks)
+    finally:
+        rt.close()

@@ -242,7 +242,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         measured,
         write_eval_json,
     )
-    from atgrpo.training.run_dir import kept_precision
     from atgrpo.training.runtime import build_runtime, seed_everything
 
     overrides = [*args.overrides]
@@ -265,13 +264,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         check_checkpoint_config(cfg, checkpoint, args.force)
     seed_everything(cfg.run.seed)
-    with kept_precision(cfg, checkpoint, "evaluation"):  # the precision the run trained in
-        rt = build_runtime(cfg, checkpoint)
-        try:
-            report = rt.evaluate(Split(args.split), cfg.eval.num_tasks)
-            routing = ", ".join(f"{a} -> {p}" for a, p in rt.policy_of.items())
-        finally:
-            rt.close()
+    rt = build_runtime(cfg, checkpoint, "evaluation")  # in the precision the run trained in
+    try:
+        report = rt.evaluate(Split(args.split), cfg.eval.num_tasks)
+        routing = ", ".join(f"{a} -> {p}" for a, p in rt.policy_of.items())
+    finally:
+        rt.close()
     _print_eval(f"{checkpoint or cfg.model.path} ({routing})", report)
     path = eval_json_path(report.split, checkpoint, cfg.run_dir, suffix)
     out = write_eval_json(report, eval_json_target(path, cfg), measured(cfg, checkpoint))

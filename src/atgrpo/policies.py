@@ -229,27 +229,14 @@ def autocast_dtype_for(precision: Precision) -> torch.dtype | None:
     return torch.bfloat16 if resolved_precision(precision) is Precision.BF16_AUTOCAST else None
 
 
-# What ``auto`` means in this process when pinned (a resumed run keeps its start's choice).
-_auto_pinned: Precision | None = None
-
-
 def resolved_precision(precision: Precision) -> Precision:
-    """``precision`` with ``auto`` resolved: the pinned choice (:func:`pin_auto_precision`),
-    else bf16 autocast where :func:`atgrpo.models.bf16_supported` finds it faster, else fp32."""
+    """``precision`` with ``auto`` resolved on this machine: bf16 autocast where
+    :func:`atgrpo.models.bf16_supported` finds it faster, else fp32. (A run resumed or evaluated
+    from a checkpoint takes the precision its run started in: :func:`atgrpo.training.runtime
+    .build_runtime`.)"""
     if precision is not Precision.AUTO:
         return precision
-    if _auto_pinned is not None:
-        return _auto_pinned
     return Precision.BF16_AUTOCAST if bf16_supported() else Precision.FP32
-
-
-def pin_auto_precision(precision: Precision | None) -> None:
-    """Make ``auto`` mean ``precision`` in this process (None: measure again): a resumed run
-    computes in the precision its checkpoint recorded, not in what this machine prefers."""
-    global _auto_pinned
-    if precision is Precision.AUTO:
-        raise ValueError("pin auto to fp32 or bf16_autocast, not to auto")
-    _auto_pinned = precision
 
 
 def lr_factor(

@@ -41,8 +41,9 @@ def group_resources(cfg: Config, policy_ids: list[str]) -> WorkerGroupConfig:
 
 def worker_config(cfg: Config) -> dict[str, Any]:
     """The config a group's workers build their policies from: ``cfg`` with
-    ``model.precision`` resolved in this process (``auto``: this machine's choice, or the
-    resumed run's), so that every rank, on any node, computes in the driver's precision."""
+    ``model.precision`` resolved in this process (``auto``: this machine's choice; a resumed
+    run's is resolved before, by :func:`atgrpo.training.runtime.run_precision`), so that every
+    rank, on any node, computes in the driver's precision."""
     raw = cfg.model_dump(mode="json")
     raw["model"]["precision"] = resolved_precision(cfg.model.precision).value
     return raw

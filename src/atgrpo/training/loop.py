@@ -38,7 +38,7 @@ from atgrpo.algo.update import UpdateStats
 from atgrpo.checkpoint.disk import check_disk_space, checkpoints_at_once, policy_size
 from atgrpo.config import BackendKind, Config, Sampling
 from atgrpo.envs import Split, split_seeds
-from atgrpo.policies import autocast_dtype_for, resolved_precision, route_samples
+from atgrpo.policies import autocast_dtype_for, route_samples
 from atgrpo.training.batch import collect_tasks, filtered_batch, refill
 from atgrpo.training.evaluation import EvalReport
 from atgrpo.training.metrics import (
@@ -52,7 +52,6 @@ from atgrpo.training.run_dir import (
     StopRequest,
     TrainError,
     interruption,
-    kept_precision,
     prepare_run_dir,
     run_lock,
     sigterm_stops,
@@ -255,15 +254,15 @@ def _write_checkpoint(
         "routing": rt.policy_of,
         "metrics": {k: v for k, v in metrics.items() if not k.startswith("perf/")},
         "config": cfg.model_dump(mode="json"),  # what a resume compares its config with
-        # what model.precision resolved to (auto: on this machine): a resume keeps it
-        "precision": resolved_precision(cfg.model.precision).value,
+        # what model.precision resolved to (auto: when the run started): a resume keeps it
+        "precision": rt.precision.value,
     }
     savers: dict[str, ckpt.PolicySaver] = {
         pid: learner.save for pid, learner in rt.learners.items()
     }
     if not (final and cfg.checkpoint.final == "weights"):
         return ckpt.write_checkpoint(cfg.run_dir, step, savers, state)
-    dtype = autocast_dtype_for(cfg.model.precision) or torch.float32
+    dtype = autocast_dtype_for(rt.precision) or torch.float32
     light = {pid: ckpt.weights_only_saver(save, dtype) for pid, save in savers.items()}
     name = str(dtype).removeprefix("torch.")
     return ckpt.write_checkpoint(cfg.run_dir, step, light, state, weights_only=name)
@@ -342,13 +341,12 @@ def train(
         redo = None if start_ckpt is None else ckpt.checkpoint_step(start_ckpt) + 1
         loggers = build_loggers(cfg, purge_from=(redo or 0) if resuming else None)
         try:
-            with kept_precision(cfg, start_ckpt):
-                rt = build_runtime(cfg, start_ckpt)
-                try:
-                    hooks = [*callbacks, *([_StepHook(on_step)] if on_step is not None else [])]
-                    return _run(rt, start_ckpt, loggers, hooks, stop)
-                finally:
-                    rt.close()
+            rt = build_runtime(cfg, start_ckpt)
+            try:
+                hooks = [*callbacks, *([_StepHook(on_step)] if on_step is not None else [])]
+                return _run(rt, start_ckpt, loggers, hooks, stop)
+            finally:
+                rt.close()
         finally:
             loggers.close()
 

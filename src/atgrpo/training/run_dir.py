@@ -29,8 +29,7 @@ from typing import Any
 import yaml
 
 from atgrpo import checkpoint as ckpt
-from atgrpo.config import Config, Precision, dump_config
-from atgrpo.policies import pin_auto_precision, resolved_precision
+from atgrpo.config import Config, dump_config
 
 LOCK_FILE = "train.lock"  # in the run folder: held (flock) by the process training there
 LOG_FILES = ("metrics.jsonl", "samples.jsonl")  # JSON lines with a "step", cut back on resume
@@ -187,37 +186,6 @@ def _check_config(cfg: Config, checkpoint: Path, force: bool) -> None:
     for change in changes:
         forced = " (--force)" if change in fixed else ""
         _warn(f"resume from {checkpoint.name}: config {show_change(change)}{forced}")
-
-
-@contextmanager
-def kept_precision(cfg: Config, checkpoint: Path | None, action: str = "resume") -> Iterator[None]:
-    """Inside the block, ``model.precision: auto`` means what it took when the run of
-    ``checkpoint`` started (the ``precision`` its checkpoints record), not what this machine
-    would take: a run resumed, or a checkpoint evaluated (``action``), on another CPU or where the
-    probe now decides otherwise computes as the run did, and a one-line warning says so when the
-    two differ. Without a checkpoint, or with one from before the record, ``auto`` is resolved
-    here as always."""
-    recorded = None
-    if checkpoint is not None and cfg.model.precision is Precision.AUTO:
-        recorded = ckpt.load_trainer_state(checkpoint).get("precision")
-    if checkpoint is None or recorded is None:
-        yield
-        return
-    kept = Precision(recorded)
-    here = resolved_precision(Precision.AUTO)
-    if here is not kept:
-        warnings.warn(
-            f"{action} of {checkpoint.name}: model.precision auto took {kept} when its run "
-            f"started and would take {here} on this machine; the {action} keeps {kept} (set "
-            f"model.precision={here.value} to change it)",
-            ckpt.ResumeWarning if action == "resume" else UserWarning,
-            stacklevel=3,
-        )
-    pin_auto_precision(kept)
-    try:
-        yield
-    finally:
-        pin_auto_precision(None)
 
 
 def changes_since(cfg: Config, checkpoint: Path) -> list[tuple[str, Any, Any]] | None:

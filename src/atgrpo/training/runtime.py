@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from atgrpo import checkpoint as ckpt
 from atgrpo.algo.records import Sample
 from atgrpo.algo.rollout import EnvStepper, ThreadStepper
 from atgrpo.algo.update import UpdateSettings, UpdateStats, ppo_update
-from atgrpo.config import BackendKind, Config
+from atgrpo.config import BackendKind, Config, Precision
 from atgrpo.envs import Split, make_env
 from atgrpo.generation import Generator
 from atgrpo.policies import (
@@ -33,6 +34,7 @@ from atgrpo.policies import (
     build_policies,
     make_encoder,
     resolve_routing,
+    resolved_precision,
 )
 from atgrpo.prompts import PromptEncoder
 from atgrpo.training.closers import close_all
@@ -83,6 +85,7 @@ class Runtime:
     """Everything chosen once before the loop: policies, engines, routing, env stepper."""
 
     cfg: Config
+    precision: Precision  # what the policies compute in (model.precision, auto resolved)
     agents: tuple[str, ...]
     policies: dict[str, Policy]  # the policies in this process ({} when they live in Ray groups)
     learners: dict[str, Learner]  # per policy id: update, learning rate, checkpoint
@@ -112,32 +115,35 @@ class Runtime:
         )
 
 
-def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
+def build_runtime(cfg: Config, checkpoint: Path | None = None, action: str = "resume") -> Runtime:
     """Build every policy (from ``checkpoint`` when given) and wire each agent to its policy.
 
-    ``backend.kind: ray`` builds them in Ray worker groups instead, and with
-    ``backend.num_env_workers`` steps the envs in Ray env workers (``atgrpo.distributed``);
-    the loop reaches them through the same protocols.
+    The policies compute in :func:`run_precision` (``action``: what is done with the
+    checkpoint, for its warning). ``backend.kind: ray`` builds them in Ray worker groups
+    instead, and with ``backend.num_env_workers`` steps the envs in Ray env workers
+    (``atgrpo.distributed``); the loop reaches them through the same protocols.
     """
     agents = make_env(cfg.env).possible_agents
     policy_of = resolve_routing(cfg, agents)
     cfg.check_agent_ids(agents)  # before any model is loaded
     weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
+    precision = run_precision(cfg, checkpoint, action)
+    built = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": precision})})
     policies: dict[str, Policy] = {}
     on_close: list[Callable[[], None]] = []
     try:
         if cfg.backend.kind is BackendKind.RAY:
             from atgrpo.distributed import start_ray_policies  # the optional `ray` extra
 
-            remote = start_ray_policies(cfg, weights)
+            remote = start_ray_policies(built, weights)
             on_close.append(remote.close)
             learners: dict[str, Learner] = dict(remote.learners)
             generators: dict[str, Generator] = dict(remote.generators)
             tokenizers = remote.tokenizers
         else:
-            policies = build_policies(cfg, weights)
+            policies = build_policies(built, weights)
             learners = {pid: LocalLearner(p) for pid, p in policies.items()}
-            generators = build_generators(cfg, policies)
+            generators = build_generators(built, policies)
             tokenizers = {pid: p.tokenizer for pid, p in policies.items()}
         stepper = _build_stepper(cfg, on_close)
     except BaseException:
@@ -145,6 +151,7 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
         raise
     return Runtime(
         cfg=cfg,
+        precision=precision,
         agents=agents,
         policies=policies,
         learners=learners,
@@ -156,6 +163,30 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None) -> Runtime:
         stepper=stepper,
         on_close=on_close,
     )
+
+
+def run_precision(cfg: Config, checkpoint: Path | None, action: str = "resume") -> Precision:
+    """What the run's policies compute in: ``model.precision`` as named, and ``auto`` as it
+    resolved when the run of ``checkpoint`` started (the ``precision`` its checkpoints record),
+    not as this machine would resolve it: a run resumed, or a checkpoint evaluated (``action``),
+    on another CPU or where the probe now decides otherwise computes as the run did, and a
+    one-line warning says so when the two differ. Without a checkpoint, or with one from before
+    the record, ``auto`` is resolved here."""
+    here = resolved_precision(cfg.model.precision)
+    if checkpoint is None or cfg.model.precision is not Precision.AUTO:
+        return here
+    recorded = ckpt.load_trainer_state(checkpoint).get("precision")
+    if recorded is None or Precision(recorded) is here:
+        return here
+    kept = Precision(recorded)
+    warnings.warn(
+        f"{action} of {checkpoint.name}: model.precision auto took {kept} when its run started "
+        f"and would take {here} on this machine; the {action} keeps {kept} (set "
+        f"model.precision={here.value} to change it)",
+        ckpt.ResumeWarning if action == "resume" else UserWarning,
+        stacklevel=3,
+    )
+    return kept
 
 
 def _build_stepper(cfg: Config, on_close: list[Callable[[], None]]) -> EnvStepper:
