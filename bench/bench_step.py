@@ -530,7 +530,7 @@ def run_workload_b(
         )
         return out
 
-    HFGenerator._generate_batch = timed  # type: ignore[method-assign]
+    HFGenerator._generate_batch = timed  # type: ignore[method-assign,assignment]
     train_module.update_policies = counting
     flag = "true" if share else "false"
     with tempfile.TemporaryDirectory(prefix="bench_step_") as out:

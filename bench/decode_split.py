@@ -22,10 +22,11 @@ torch.compile cannot lower itself), alternating, and prints their medians and ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ def split_generation(rounds: int) -> None:
         forwards.append(time.perf_counter() - start)
         return out
 
-    model.forward = timed  # type: ignore[method-assign]
+    model.forward = timed
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0)
 
     def run(label: str) -> None:
@@ -74,30 +75,27 @@ def split_generation(rounds: int) -> None:
             run("linear layers cached")
 
 
-class _cached_linears:
+@contextlib.contextmanager
+def _cached_linears(model: Any, gen: HFGenerator) -> Iterator[None]:
     """Every ``nn.Linear`` of ``model`` returns one cached output per input shape (no packing)."""
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    packed, gen.packed = gen.packed, None
+    outputs: dict[tuple[Any, ...], torch.Tensor] = {}
+    for layer in layers:
 
-    def __init__(self, model: Any, gen: HFGenerator) -> None:
-        self.layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-        self.gen, self.packed = gen, gen.packed
+        def cached(x: torch.Tensor, layer: torch.nn.Linear = layer) -> torch.Tensor:
+            key = (tuple(x.shape), layer.out_features)
+            if key not in outputs:
+                outputs[key] = torch.nn.functional.linear(x, layer.weight)
+            return outputs[key]
 
-    def __enter__(self) -> None:
-        self.gen.packed = None
-        outputs: dict[tuple[Any, ...], torch.Tensor] = {}
-        for layer in self.layers:
-
-            def cached(x: torch.Tensor, layer: torch.nn.Linear = layer) -> torch.Tensor:
-                key = (tuple(x.shape), layer.out_features)
-                if key not in outputs:
-                    outputs[key] = torch.nn.functional.linear(x, layer.weight)
-                return outputs[key]
-
-            layer.forward = cached  # type: ignore[method-assign]
-
-    def __exit__(self, *exc: object) -> None:
-        for layer in self.layers:
+        layer.forward = cached  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        for layer in layers:
             del layer.forward
-        self.gen.packed = self.packed
+        gen.packed = packed
 
 
 def compiled_mlp(rounds: int, layers: int = 30, hidden: int = 576, inner: int = 1536) -> None:
