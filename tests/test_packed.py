@@ -1,14 +1,18 @@
 """Linear layers on weights packed once while generating (atgrpo.generation.packed): bf16 for
-oneDNN under autocast, float32 for MKL."""
+oneDNN under autocast, float32 for MKL or for atgrpo's decode kernel."""
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from atgrpo.generation import HFGenerator, SamplingParams
+from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels
 from atgrpo.generation.packed import PackedLinears, supported
 from atgrpo.models import build_tiny_model
 from conftest import REPO
@@ -16,14 +20,47 @@ from conftest import REPO
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(params=[BF16, None], ids=["bf16", "fp32"])
-def tiny(request: pytest.FixtureRequest) -> tuple[object, object, torch.dtype | None]:
-    """The tiny model, its tokenizer and the autocast dtype packed for (None: float32)."""
+@dataclass
+class Tiny:
+    """The tiny model, its tokenizer, the autocast dtype packed for (None: float32) and whether
+    float32 runs on atgrpo's decode kernel (its hidden sizes are multiples of its panel; the
+    head's vocabulary is not, so the head keeps MKL)."""
+
+    model: Any
+    tok: Any
+    dtype: torch.dtype | None
+    kernel: bool
+
+    def generator(self, **kwargs: Any) -> HFGenerator:
+        return HFGenerator(
+            self.model,
+            self.tok,
+            share_prefill=True,
+            autocast_dtype=self.dtype,
+            decode_kernel=self.kernel,
+            **kwargs,
+        )
+
+    def same(self, a: list, b: list) -> bool:
+        """Identical tokens and log-probs; with the kernel, log-probs equal to rounding."""
+        if not self.kernel:
+            return _same(a, b)
+        return all(
+            x.token_ids == y.token_ids and np.allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+            for x, y in zip(a, b, strict=True)
+        )
+
+
+@pytest.fixture(params=[(BF16, False), (None, False), (None, True)], ids=["bf16", "mkl", "kernel"])
+def tiny(request: pytest.FixtureRequest) -> Tiny:
+    dtype, kernel = request.param
     model, tok = build_tiny_model(seed=0)
     tok.padding_side = "left"
-    if not supported(model, request.param):
-        pytest.skip(f"this CPU's torch cannot pack for {request.param or 'float32'}")
-    return model, tok, request.param
+    if not supported(model, dtype):
+        pytest.skip(f"this CPU's torch cannot pack for {dtype or 'float32'}")
+    if kernel and cpu_kernels.extension() is None:
+        pytest.skip("atgrpo's decode kernel does not run on this CPU")
+    return Tiny(model, tok, dtype, kernel)
 
 
 def _generate(gen: HFGenerator, tok) -> list:
@@ -39,36 +76,31 @@ def _same(a: list, b: list) -> bool:
     )
 
 
-def test_the_same_tokens_and_logprobs_as_autocast(tiny) -> None:
-    model, tok, dtype = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
-    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
+def test_the_same_tokens_and_logprobs_as_autocast(tiny: Tiny) -> None:
+    packed, plain = tiny.generator(), tiny.generator(pack_weights=False)
     assert packed.packed is not None and plain.packed is None
-    assert _same(_generate(packed, tok), _generate(plain, tok))
-    assert all("forward" not in vars(m) for m in model.modules())  # the layers are restored
+    assert tiny.same(_generate(packed, tiny.tok), _generate(plain, tiny.tok))
+    assert all("forward" not in vars(m) for m in tiny.model.modules())  # the layers are restored
 
 
-def test_a_changed_weight_is_packed_again(tiny) -> None:
-    model, tok, dtype = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
-    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
-    before = _generate(packed, tok)
+def test_a_changed_weight_is_packed_again(tiny: Tiny) -> None:
+    packed, plain = tiny.generator(), tiny.generator(pack_weights=False)
+    before = _generate(packed, tiny.tok)
     with torch.no_grad():  # an optimizer step: in place, the same tensors
-        for p in model.parameters():
+        for p in tiny.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    after = _generate(packed, tok)
-    assert _same(after, _generate(plain, tok))
-    assert not _same(after, before)
+    after = _generate(packed, tiny.tok)
+    assert tiny.same(after, _generate(plain, tiny.tok))
+    assert not tiny.same(after, before)
 
 
 @pytest.mark.parametrize("impl", ["fused", "foreach", "for_loop"])
-def test_an_optimizer_step_is_seen_whatever_the_adamw(tiny, impl: str) -> None:
+def test_an_optimizer_step_is_seen_whatever_the_adamw(tiny: Tiny, impl: str) -> None:
     """torch's fused AdamW updates the weights in place without bumping their version counter:
     a packed weight must still be packed again (it once was not, and every rollout after the
     first sampled from the weights of the first)."""
-    model, tok, dtype = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
-    plain = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
+    model, tok = tiny.model, tiny.tok
+    packed, plain = tiny.generator(), tiny.generator(pack_weights=False)
     before = _generate(packed, tok)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=0.05, fused=impl == "fused", foreach=impl == "foreach"
@@ -79,64 +111,76 @@ def test_an_optimizer_step_is_seen_whatever_the_adamw(tiny, impl: str) -> None:
     model.eval()(ids, labels=ids).loss.backward()
     optimizer.step()
     after = _generate(packed, tok)  # no sync_weights: the generator sees the change itself
-    assert _same(after, _generate(plain, tok))
-    assert not _same(after, before)
+    assert tiny.same(after, _generate(plain, tok))
+    assert not tiny.same(after, before)
 
 
-def test_sync_weights_drops_every_packed_weight(tiny) -> None:
-    model, tok, dtype = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
-    _generate(packed, tok)
+def test_sync_weights_drops_every_packed_weight(tiny: Tiny) -> None:
+    packed = tiny.generator()
+    _generate(packed, tiny.tok)
     assert packed.packed is not None and len(packed.packed) > 0
     packed.sync_weights()
     assert len(packed.packed) == 0
 
 
-def test_a_training_forward_drops_the_packed_weights(tiny) -> None:
+def test_a_training_forward_drops_the_packed_weights(tiny: Tiny) -> None:
     """An update's forward frees them (stale after it anyway) instead of holding them through
     the update's peak; a forward in eval mode (generation's) keeps them."""
-    model, tok, dtype = tiny
-    packed = HFGenerator(model, tok, share_prefill=True, autocast_dtype=dtype)
-    _generate(packed, tok)
+    packed = tiny.generator()
+    _generate(packed, tiny.tok)
     assert packed.packed is not None and len(packed.packed) > 0
-    ids = torch.tensor([tok("a prompt", add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([tiny.tok("a prompt", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
-        model.eval()(ids)
+        tiny.model.eval()(ids)
         assert len(packed.packed) > 0
-        model.train()(ids)
+        tiny.model.train()(ids)
     assert len(packed.packed) == 0
 
 
-def test_packing_applies_to_float32_weights_only(tiny) -> None:
-    model, _, dtype = tiny
+def test_packing_applies_to_float32_weights_only(tiny: Tiny) -> None:
+    model, dtype = tiny.model, tiny.dtype
     assert supported(model, dtype)
     assert not supported(model.to(BF16), dtype)  # bf16 weights: run as they are
     assert not supported(model.float(), torch.float16)
 
 
-def test_each_weight_is_packed_once_while_unchanged(tiny, monkeypatch) -> None:
-    model, _, dtype = tiny
-    calls = []
-    library = torch.ops.mkldnn if dtype is BF16 else torch.ops.mkl
-    name = "_reorder_linear_weight" if dtype is BF16 else "_mkl_reorder_linear_weight"
-    reorder = getattr(library, name)
-    monkeypatch.setattr(library, name, lambda *a: calls.append(1) or reorder(*a))
-    linears = PackedLinears(dtype)
+def test_each_weight_is_packed_once_while_unchanged(tiny: Tiny, monkeypatch) -> None:
+    calls: list[str] = []
+
+    def counted(library: Any, name: str) -> None:
+        reorder = getattr(library, name)
+        monkeypatch.setattr(library, name, lambda *a: calls.append(name) or reorder(*a))
+
+    if tiny.dtype is BF16:
+        counted(torch.ops.mkldnn, "_reorder_linear_weight")
+    else:
+        counted(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    if tiny.kernel:
+        kernel = cpu_kernels.extension()
+        monkeypatch.setattr(
+            cpu_kernels, "extension", lambda: SimpleNamespace(pack=kernel.pack, linear=None)
+        )
+        counted(kernel, "pack")
+    linears = PackedLinears(tiny.dtype, decode_kernel=tiny.kernel)
     for _ in range(2):
-        with linears.active(model):
+        with linears.active(tiny.model):
             pass
-    assert len(calls) == sum(type(m) is torch.nn.Linear for m in model.modules())
+    layers = [m for m in tiny.model.modules() if type(m) is torch.nn.Linear]
+    assert len(calls) == len(layers)
+    # with the kernel, every layer whose outputs fill its panels is packed for it (the head's
+    # 259-token vocabulary is not: MKL)
+    fits = sum(m.out_features % cpu_kernels.PANEL == 0 for m in layers)
+    assert calls.count("pack") == (fits if tiny.kernel else 0) and 0 < fits < len(layers)
 
 
-def test_lora_adapters_give_the_same_tokens(tiny) -> None:
+def test_lora_adapters_give_the_same_tokens(tiny: Tiny) -> None:
     from peft import LoraConfig, get_peft_model
 
-    model, tok, dtype = tiny
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    lora = get_peft_model(model, config)  # random A and B: the adapters change the logits
-    packed = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=dtype)
-    plain = HFGenerator(lora, tok, share_prefill=True, autocast_dtype=dtype, pack_weights=False)
-    assert _same(_generate(packed, tok), _generate(plain, tok))
+    lora = get_peft_model(tiny.model, config)  # random A and B: the adapters change the logits
+    tiny.model = lora
+    packed, plain = tiny.generator(), tiny.generator(pack_weights=False)
+    assert tiny.same(_generate(packed, tiny.tok), _generate(plain, tiny.tok))
 
 
 def test_the_trainer_drops_packed_weights_after_every_update(tmp_path, monkeypatch) -> None:

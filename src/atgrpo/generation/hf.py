@@ -57,6 +57,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers.cache_utils import DynamicLayer
 
 from atgrpo.attention import ATTENTION, float32_attention
+from atgrpo.generation import cpu_kernels, fused
 from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.generation.cache import growing
 from atgrpo.generation.packed import PackedLinears
@@ -248,16 +249,33 @@ def _below(total: torch.Tensor) -> torch.Tensor:
 class _Sampler(LogitsProcessor):
     """The whole sampling step (module docstring); the only processor ``generate`` runs."""
 
-    def __init__(self, temperature: float, top_k: int, top_p: float) -> None:
+    def __init__(
+        self,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        kernel: cpu_kernels.Kernel | None = None,
+    ) -> None:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.logprobs: list[torch.Tensor] = []  # each (N,): the drawn tokens' log-probs
+        self.kernel = kernel  # float32 on CPU: the log-softmax and its exp in one kernel
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logprobs = process_logits(scores, self.temperature, self.top_k, self.top_p)  # (N, V)
-        token = sample_inverse_cdf(logprobs.exp())  # (N, 1)
+        logprobs, probs = self._distribution(scores)  # (N, V) each
+        token = sample_inverse_cdf(probs)  # (N, 1)
         self.logprobs.append(logprobs.gather(-1, token).squeeze(-1))
         # Greedy decoding's argmax must pick the drawn token: nothing else is possible.
         return torch.full_like(scores, -math.inf).scatter_(-1, token, 0.0)
+
+    def _distribution(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The processed log-probs and their exponentials, the probabilities drawn from."""
+        whole = not 0 < self.top_k < scores.shape[-1] and self.top_p >= 1.0
+        if self.kernel is not None and whole and scores.dtype == torch.float32:
+            # x / 1.0 is x: the tempering is skipped only where it changes nothing
+            logits = scores if self.temperature == 1.0 else scores / self.temperature
+            return self.kernel.log_softmax_exp(logits)
+        logprobs = process_logits(scores, self.temperature, self.top_k, self.top_p)
+        return logprobs, logprobs.exp()
 
     def finish(self, batch: int) -> torch.Tensor:
         if not self.logprobs:
@@ -274,7 +292,10 @@ class HFGenerator:
     False copies them to every row (the same attention; for measuring the two).
     ``pack_weights``: run the linear layers on weights packed once for oneDNN (bf16 autocast) or
     MKL (float32), on CPU (:mod:`atgrpo.generation.packed`; the same logits); False: the layers'
-    own calls.
+    own calls. ``decode_kernel``: in float32 where the CPU has AVX-512, atgrpo's CPU kernels for
+    a decode step's linear layers and its attention over prompts held once
+    (:mod:`atgrpo.generation.cpu_kernels`; the logits equal to rounding); False keeps MKL's
+    packed sgemm and torch's operators (bit for bit the unpacked layers' logits).
     """
 
     def __init__(
@@ -287,11 +308,14 @@ class HFGenerator:
         max_batch_size: int | None = None,
         prompt_once: bool = True,
         pack_weights: bool = True,
+        decode_kernel: bool = True,
     ) -> None:
         self.model = model
         self.prompt_once = prompt_once
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.decode_kernel = decode_kernel and autocast_dtype is None and on_cpu
         self.packed = (
-            PackedLinears(autocast_dtype)
+            PackedLinears(autocast_dtype, decode_kernel)
             if pack_weights and packed_supported(model, autocast_dtype)
             else None
         )
@@ -307,6 +331,10 @@ class HFGenerator:
         )
         if share_prefill:
             check_shareable(model)
+
+    def _kernel(self) -> cpu_kernels.Kernel | None:
+        """atgrpo's CPU kernels, where ``decode_kernel`` asks for them and they run here."""
+        return cpu_kernels.extension() if self.decode_kernel else None
 
     def sync_weights(self) -> None:
         """Generation runs on the training model itself; only the packed copies of its weights
@@ -348,7 +376,7 @@ class HFGenerator:
             eos_ids=self.eos_ids,
             pad_id=self.pad_id,
         )
-        sampler = _Sampler(*sampler_args) if sampler_args is not None else None
+        sampler = _Sampler(*sampler_args, self._kernel()) if sampler_args is not None else None
         sequences, width = self._run(
             prompts,
             input_ids.to(device),
@@ -381,9 +409,10 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            packed = self.packed
+            packed, kernel = self.packed, self._kernel()
             packing = packed.active(self.model) if packed is not None else contextlib.nullcontext()
-            with autocast_for(self.model, self.autocast_dtype), packing:
+            fusing = fused.active(self.model, kernel) if kernel else contextlib.nullcontext()
+            with autocast_for(self.model, self.autocast_dtype), packing, fusing:
                 extra: dict[str, Any] = {}
                 if self.share_prefill and input_ids.shape[1] > 1:  # width 1: nothing to share
                     name = cache_kwarg(unwrapped(self.model).forward)
@@ -431,7 +460,7 @@ class HFGenerator:
         once = self.prompt_once and len(firsts) < len(rows)
         index = torch.tensor(rows, device=ids.device)
         if once and reads_prompt_once(self.model, self.autocast_dtype, cache):
-            return shared_prefix(cache, index), input_ids, attention_mask
+            return shared_prefix(cache, index, self._kernel()), input_ids, attention_mask
         cache.batch_select_indices(index)  # (N, ...) rows
         # decoding appends in place (atgrpo.generation.cache)
         return growing(cache), input_ids, attention_mask

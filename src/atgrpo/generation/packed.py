@@ -9,12 +9,18 @@ and, while generating, runs the layer on the packed weight:
 * under bf16 autocast, oneDNN's linear on the bf16 weight reordered once
   (``torch.ops.mkldnn._reorder_linear_weight``, ``torch.ops.mkldnn._linear_pointwise``): the same
   bf16 matmul with float32 accumulation, so the logits are the ones autocast's call gives;
-* in float32, MKL's packed sgemm (``torch.ops.mkl._mkl_reorder_linear_weight``,
-  ``torch.ops.mkl._mkl_linear``): the same sgemm on the same numbers, bit for bit.
+* in float32 on a CPU with AVX-512, atgrpo's decode kernel (:mod:`atgrpo.generation.cpu_kernels`)
+  for calls of up to 64 rows and torch's own linear above (a prefill): equal to ``F.linear`` to
+  float32 rounding, and faster than MKL at a decode step's rows because it reads the weight while
+  it multiplies;
+* in float32 elsewhere (or with ``decode_kernel=False``), MKL's packed sgemm
+  (``torch.ops.mkl._mkl_reorder_linear_weight``, ``torch.ops.mkl._mkl_linear``): the same sgemm
+  on the same numbers, bit for bit.
 
-The tokens and log-probs of a seeded generation are identical to the unpacked layers' in both
-(tests/test_packed.py). A packed weight is reused until its parameter changes, so it is packed
-once per rollout, not per call. A change is seen by the tensor's storage, its version counter and
+The tokens and log-probs of a seeded generation are identical to the unpacked layers' with
+oneDNN's and MKL's packing, and equal to rounding with the decode kernel (tests/test_packed.py).
+A packed weight is reused until its parameter changes, so it is packed once per rollout, not per
+call. A change is seen by the tensor's storage, its version counter and
 a sample of its values: the version alone is not enough, because torch's fused AdamW (atgrpo's
 default) updates the weights in place without bumping it (until the sample was added, every
 rollout after the first sampled from the packed weights of the first). :meth:`PackedLinears.clear`
@@ -32,11 +38,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from atgrpo.generation import cpu_kernels
+
+# a linear layer's forward bound to its packed weight, called with the layer and the input
+# (the layer itself is not held: the packed weights are kept by a weak reference to it)
+Forward = Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]
 
 
 def supported(model: Any, autocast_dtype: torch.dtype | None) -> bool:
@@ -63,10 +75,12 @@ class PackedLinears:
     """The packed weights of a model's linear layers, kept between generations: bf16 for
     oneDNN (``autocast_dtype`` bf16) or float32 for MKL (None)."""
 
-    def __init__(self, autocast_dtype: torch.dtype | None) -> None:
+    def __init__(self, autocast_dtype: torch.dtype | None, decode_kernel: bool = True) -> None:
         self.bf16 = autocast_dtype is torch.bfloat16
-        # layer -> (the weight's stamp when packed, the packed weight)
-        self._packed: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[_Stamp, Any]]
+        # float32: atgrpo's decode kernel where it builds (None: MKL's packed sgemm throughout)
+        self.decode_kernel = decode_kernel and not self.bf16
+        # layer -> (the weight's stamp when packed, the layer's forward on its packed weight)
+        self._packed: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[_Stamp, Forward]]
         self._packed = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
@@ -92,28 +106,32 @@ class PackedLinears:
         """Run every linear layer of ``model`` on its packed weight inside the block."""
         layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
         for layer in layers:
-            forward = _bf16_forward if self.bf16 else _fp32_forward
-            layer.forward = functools.partial(forward, layer, self._weight(layer))  # type: ignore[method-assign]
+            layer.forward = functools.partial(self._forward(layer), layer)  # type: ignore[method-assign]
         try:
             yield
         finally:
             for layer in layers:
                 del layer.forward  # back to nn.Linear.forward
 
-    def _weight(self, layer: torch.nn.Linear) -> Any:
+    def _forward(self, layer: torch.nn.Linear) -> Forward:
         weight = layer.weight
         stamp = _Stamp.of(weight)
         held = self._packed.get(layer)
         if held is None or not held[0].matches(stamp):
-            held = (stamp, _pack(weight.detach(), self.bf16))
+            held = (stamp, self._pack(layer))
             self._packed[layer] = held
         return held[1]
 
-
-def _pack(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
-    if bf16:  # oneDNN's packing does not depend on the batch size given
-        return torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_ROWS)
+    def _pack(self, layer: torch.nn.Linear) -> Forward:
+        weight = layer.weight.detach()
+        if self.bf16:  # oneDNN's packing does not depend on the batch size given
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
+            return functools.partial(_bf16_forward, packed)
+        kernel = cpu_kernels.extension() if self.decode_kernel else None
+        if kernel is not None and cpu_kernels.applies(weight):
+            return functools.partial(_kernel_forward, kernel, kernel.pack(weight))
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_ROWS)
+        return functools.partial(_fp32_forward, packed)
 
 
 _SAMPLE = 64  # values of a weight compared to tell whether it changed since it was packed
@@ -140,13 +158,28 @@ class _Stamp:
         )
 
 
-def _fp32_forward(layer: torch.nn.Linear, packed: Any, x: torch.Tensor) -> torch.Tensor:
+def _fp32_forward(packed: Any, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` in float32, on the packed weight (MKL also reads the original's shape)."""
     bias = layer.bias.detach() if layer.bias is not None else None
     return torch.ops.mkl._mkl_linear(x, packed, layer.weight.detach(), bias, _MKL_ROWS)
 
 
-def _bf16_forward(layer: torch.nn.Linear, packed: Any, x: torch.Tensor) -> torch.Tensor:
+def _kernel_forward(
+    kernel: Any, packed: torch.Tensor, layer: torch.nn.Linear, x: torch.Tensor
+) -> torch.Tensor:
+    """``layer(x)`` in float32 on atgrpo's decode kernel, up to its row limit; a larger call
+    (a prefill) on torch's own linear."""
+    weight, bias = layer.weight.detach(), layer.bias
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > cpu_kernels.MAX_ROWS:
+        return torch.nn.functional.linear(x, weight, bias.detach() if bias is not None else None)
+    out = kernel.linear(flat.contiguous(), packed)
+    if bias is not None:
+        out += bias.detach()
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _bf16_forward(packed: Any, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """What ``layer(x)`` gives under bf16 autocast (bf16 out), on the packed weight."""
     bias = layer.bias.detach().bfloat16() if layer.bias is not None else None
     flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)

@@ -13,7 +13,10 @@ a layer returns, marked with :data:`atgrpo.attention.HELD_PROMPT`) scores each r
 against its own prompt with one batched matmul per distinct prompt (its K rows' queries
 together) and against its own decoded tokens, takes one softmax over both score blocks together,
 and sums the two weighted value blocks. It is the same attention as over the copied cache (same
-scores, mask, softmax and values, in float32), differing only in float rounding.
+scores, mask, softmax and values, in float32), differing only in float rounding. In float32 on a
+CPU with AVX-512 the generator hands the layers atgrpo's CPU kernel, which computes the same in
+one call (:meth:`atgrpo.generation.cpu_kernels.Kernel.prefix_attention`; 0.3-0.4 against
+0.7-0.9 ms a call in workload (a)'s decoding, docs/results.md).
 
 It is used on CPU where attention runs in float32 anyway (:func:`atgrpo.attention
 .float32_attention`, or a float32 model without autocast), for a model loaded with atgrpo's
@@ -25,6 +28,7 @@ attention (:data:`atgrpo.attention.ATTENTION`) whose cache layers are all plain
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +36,7 @@ from transformers.cache_utils import DynamicLayer
 
 from atgrpo.attention import HELD_PROMPT
 from atgrpo.generation.cache import GrowingLayer
+from atgrpo.generation.cpu_kernels import Kernel
 
 
 class SharedPrefixLayer(DynamicLayer):
@@ -43,14 +48,28 @@ class SharedPrefixLayer(DynamicLayer):
         self,
         keys: torch.Tensor,
         values: torch.Tensor,
-        layout: tuple[torch.Tensor, torch.Tensor, bool],
+        layout: Layout,
+        kernel: Kernel | None = None,
     ) -> None:
         super().__init__()
         self.prompt_keys = keys.float()  # (D, Hkv, P, d)
         self.prompt_values = values.float()  # (D, Hkv, P, d)
-        self.slots, self.back, self.in_order = layout  # _layout(rows), shared by the layers
+        self.layout = layout  # shared by the layers
+        self.slots, self.back, self.in_order = layout.slots, layout.back, layout.in_order
         self.decoded = GrowingLayer()
         self.device, self.is_initialized = keys.device, True
+        self.kernel = kernel
+        self._prompt_kt: torch.Tensor | None = None
+
+    def prompt_kt(self) -> torch.Tensor:
+        """The prompt keys transposed and zero-padded to whole blocks of 16, as atgrpo's CPU
+        kernel reads them: (D, Hkv, d, P16), made at the first decode step."""
+        if self._prompt_kt is None:
+            d, kv_heads, prompt, dim = self.prompt_keys.shape
+            kt = self.prompt_keys.new_zeros(d, kv_heads, dim, -(-prompt // 16) * 16)
+            kt[..., :prompt] = self.prompt_keys.transpose(-1, -2)
+            self._prompt_kt = kt
+        return self._prompt_kt
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -85,12 +104,26 @@ class SharedPrefixLayer(DynamicLayer):
 _REFUSED = "a shared-prompt cache cannot change its rows; set rollout.share_prefill=false"
 
 
-def _layout(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """:func:`_slots`, and whether the rows are in the rollout's order (each prompt's rows
-    together, as many for each), where attention needs no gathers."""
+@dataclass(frozen=True)
+class Layout:
+    """Where each row's prompt is: :func:`_slots`; ``members``, the slots with -1 where a
+    prompt has fewer rows than the most (as atgrpo's CPU kernel reads them); and whether the
+    rows are in the rollout's order (each prompt's rows together, as many for each), where
+    attention needs no gathers."""
+
+    members: torch.Tensor
+    slots: torch.Tensor
+    back: torch.Tensor
+    in_order: bool
+
+
+def _layout(rows: torch.Tensor) -> Layout:
     slots, back = _slots(rows)
     arange = torch.arange(len(rows), device=rows.device)
-    return slots, back, slots.numel() == len(rows) and bool(torch.equal(back, arange))
+    in_order = slots.numel() == len(rows) and bool(torch.equal(back, arange))
+    counts = torch.bincount(rows, minlength=slots.shape[0])
+    members = slots.masked_fill(torch.arange(slots.shape[1]) >= counts[:, None], -1)
+    return Layout(members.contiguous(), slots, back, in_order)
 
 
 def _slots(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,13 +153,18 @@ def prefix_attention(
     n, heads, length, dim = query.shape
     if length != 1:
         raise ValueError(f"shared-prompt attention decodes one token at a time, got {length}")
+    scale = scaling if scaling is not None else 1 / math.sqrt(dim)
+    if layer.kernel is not None:  # float32 on AVX-512: atgrpo's kernel, where it fits the shapes
+        args = (layer.prompt_kt(), layer.prompt_values, keys, values, layer.layout.members, mask)
+        if (out := layer.kernel.prefix_attention(query, *args, scale)) is not None:
+            return out
     kv_heads, prompt = layer.prompt_keys.shape[1], layer.prompt_keys.shape[2]
     q = query.float().reshape(n, kv_heads, heads // kv_heads, dim)  # (N, Hkv, G, d)
     with torch.autocast(query.device.type, enabled=False):
         scores = torch.cat(
             [_per_prompt(layer, q, layer.prompt_keys.transpose(-1, -2)), q @ keys.float().mT], -1
         )  # (N, Hkv, G, P + T)
-        scores = scores * (scaling if scaling is not None else 1 / math.sqrt(dim))
+        scores = scores * scale
         if mask is not None and mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, -math.inf)
         elif mask is not None:
@@ -151,9 +189,10 @@ def _per_prompt(layer: SharedPrefixLayer, x: torch.Tensor, y: torch.Tensor) -> t
     return out if layer.in_order else out[layer.back]
 
 
-def shared_prefix(cache: Any, rows: torch.Tensor) -> Any:
+def shared_prefix(cache: Any, rows: torch.Tensor, kernel: Kernel | None = None) -> Any:
     """``cache`` (D rows: the distinct prompts) with every layer a :class:`SharedPrefixLayer` for
-    the N rows ``rows`` (each row's prompt)."""
+    the N rows ``rows`` (each row's prompt); ``kernel``: attend on atgrpo's CPU kernel where it
+    fits (:mod:`atgrpo.generation.cpu_kernels`)."""
     layout = _layout(rows)  # once: every layer has the same rows
-    cache.layers = [SharedPrefixLayer(x.keys, x.values, layout) for x in cache.layers]
+    cache.layers = [SharedPrefixLayer(x.keys, x.values, layout, kernel) for x in cache.layers]
     return cache

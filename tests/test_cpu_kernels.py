@@ -1,0 +1,246 @@
+"""atgrpo's CPU kernels for a float32 decode step (atgrpo.generation.cpu_kernels): each equal to
+torch's computation to rounding (the linear layer at any row count and input size, the attention
+over held prompts at any row order and mask, the norm, SiLU times up), all of them running in a
+generation, clear errors on bad input, and a warning, not a failure, where they cannot be
+built."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from atgrpo.generation import cpu_kernels
+from atgrpo.generation.packed import _kernel_forward
+from atgrpo.models import cache_dir
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    ext = cpu_kernels.extension()
+    if ext is None:
+        pytest.skip("atgrpo's decode kernel does not run on this CPU")
+    return ext
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 14, 15, 28, 32, 33, 64])
+@pytest.mark.parametrize(("n_in", "n_out"), [(1, 32), (70, 96), (576, 192), (1536, 64)])
+def test_equal_to_torch_linear_to_rounding(kernel, rows: int, n_in: int, n_out: int) -> None:
+    g = torch.Generator().manual_seed(rows * n_in)
+    x, w = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g)
+    got = kernel.linear(x, kernel.pack(w))
+    want = torch.nn.functional.linear(x.double(), w.double())
+    # one float32 multiply-add chain over n_in terms
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-6 * n_in**0.5 * want.abs().max())
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_a_layer_runs_on_it_up_to_its_row_limit(kernel) -> None:
+    """Up to MAX_ROWS rows (a decode step) the kernel, with the bias; a larger call (a
+    prefill) torch's own linear, bit for bit."""
+    layer = torch.nn.Linear(70, 64)
+    packed = kernel.pack(layer.weight.detach())
+    small = torch.randn(2, 3, 70)[:, ::2]  # not contiguous: the layer makes it so
+    assert torch.allclose(_kernel_forward(kernel, packed, layer, small), layer(small), atol=1e-5)
+    large = torch.randn(cpu_kernels.MAX_ROWS + 1, 70)
+    assert torch.equal(_kernel_forward(kernel, packed, layer, large), layer(large))
+
+
+def test_bad_inputs_say_what_is_wrong(kernel) -> None:
+    with pytest.raises(ValueError, match=r"rows are a multiple of 32; got \(48, 8\)"):
+        kernel.pack(torch.randn(48, 8))
+    with pytest.raises(ValueError, match=r"\(1, 8, 32\) does not match the input's 9 features"):
+        kernel.linear(torch.randn(2, 9), kernel.pack(torch.randn(32, 8)))
+    with pytest.raises(ValueError, match=r"takes 2-d float32 CPU rows; got torch\.bfloat16"):
+        kernel.linear(torch.randn(2, 8, dtype=torch.bfloat16), kernel.pack(torch.randn(32, 8)))
+    assert not cpu_kernels.applies(torch.randn(48, 8))
+    assert not cpu_kernels.applies(torch.randn(32, 8, dtype=torch.bfloat16))
+    assert cpu_kernels.applies(torch.randn(64, 8))
+
+
+def test_it_builds_once_into_the_cache(kernel, monkeypatch) -> None:
+    """The library is compiled once per source and compiler; a second build finds it."""
+    built = cpu_kernels._build()
+    assert built.is_file() and built.parent.parent == cache_dir()
+    monkeypatch.setattr(
+        cpu_kernels.subprocess, "run", lambda *a, **k: pytest.fail("compiled again")
+    )
+    assert cpu_kernels._build() == built
+
+
+def test_a_failed_build_warns_once_and_keeps_mkl(monkeypatch, tmp_path) -> None:
+    """No compiler, or one that fails: one warning with the compiler's reason, then MKL."""
+    monkeypatch.setattr(cpu_kernels, "cpu_supports", lambda: True)
+    monkeypatch.setenv("ATGRPO_CACHE", str(tmp_path))  # nothing built there yet
+    cases = [
+        (str(tmp_path / "no-such-compiler"), r"did not build \(.*No such file.*no-such-compiler"),
+        ("false", r"did not build \(CalledProcessError\)"),  # fails without a word
+    ]
+    for compiler, reason in cases:
+        monkeypatch.setenv("CXX", compiler)
+        cpu_kernels.extension.cache_clear()
+        try:
+            with pytest.warns(RuntimeWarning, match=reason):
+                assert cpu_kernels.extension() is None
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert cpu_kernels.extension() is None  # once per process
+        finally:
+            cpu_kernels.extension.cache_clear()
+    assert list((tmp_path / "kernels").iterdir()) == []  # no half-built library left
+
+
+def test_a_cpu_without_avx512_keeps_mkl_without_building(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "cpu_supports", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: pytest.fail("built without AVX-512"))
+    cpu_kernels.extension.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_kernels.extension() is None
+    finally:
+        cpu_kernels.extension.cache_clear()
+
+
+def _prefix_case(order: str, mask: str, dim: int, groups: int):
+    """A decode step over prompts held once: the layer with the kernel, the same without, and
+    the step's query, decoded keys and values (views of larger buffers, as in decoding) and
+    mask."""
+    g = torch.Generator().manual_seed(dim * groups + len(order))
+    rows = {
+        "in order": torch.arange(3).repeat_interleave(4),
+        "shuffled": torch.arange(3).repeat_interleave(4)[torch.randperm(12, generator=g)],
+        "uneven": torch.tensor([0, 1, 1, 0, 1, 2]),
+    }[order]
+    n, kv_heads, prompt, own = len(rows), 2, 37, 9
+    keys, values = (torch.randn(3, kv_heads, prompt, dim, generator=g) for _ in range(2))
+    own_k, own_v = (torch.randn(n, kv_heads, 16, dim, generator=g)[:, :, :own] for _ in range(2))
+    query = torch.randn(n, 1, kv_heads * groups, dim, generator=g).transpose(1, 2)
+    allowed = torch.ones(n, 1, 1, prompt + own, dtype=torch.bool)
+    allowed[:, ..., :4] = False  # left padding
+    allowed[1, ..., 10:30] = False
+    masks = {
+        "bool": allowed,
+        "additive": torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")),
+        "none": None,
+    }
+    return rows, keys, values, (query, own_k, own_v, masks[mask])
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled", "uneven"])
+@pytest.mark.parametrize("mask", ["bool", "additive", "none"])
+@pytest.mark.parametrize(("dim", "groups"), [(32, 2), (64, 3), (128, 1), (64, 4)])
+def test_prefix_attention_equals_torch_to_rounding(
+    kernel, order: str, mask: str, dim: int, groups: int, monkeypatch
+) -> None:
+    from atgrpo.generation.prefix_cache import SharedPrefixLayer, _layout, prefix_attention
+
+    rows, keys, values, (query, own_k, own_v, m) = _prefix_case(order, mask, dim, groups)
+    torch_layer = SharedPrefixLayer(keys, values, _layout(rows))
+    want = prefix_attention(torch_layer, query, own_k, own_v, m, 0.1)
+    calls = []
+    attend = type(kernel).prefix_attention
+    monkeypatch.setattr(type(kernel), "prefix_attention", lambda *a: calls.append(1) or attend(*a))
+    layer = SharedPrefixLayer(keys, values, _layout(rows), kernel)
+    got = prefix_attention(layer, query, own_k, own_v, m, 0.1)
+    assert calls and got.shape == want.shape
+    assert torch.allclose(got, want, rtol=0, atol=2e-6)
+
+
+def test_prefix_attention_leaves_other_shapes_to_torch(kernel) -> None:
+    """A head size or query group the kernel is not compiled for, or bf16 values: None, and
+    prefix_attention computes it with torch's operators."""
+    from atgrpo.generation.prefix_cache import SharedPrefixLayer, _layout, prefix_attention
+
+    rows, keys, values, (query, own_k, own_v, m) = _prefix_case("in order", "bool", 48, 5)
+    layer = SharedPrefixLayer(keys, values, _layout(rows), kernel)
+    args = (layer.prompt_kt(), layer.prompt_values, own_k, own_v, layer.layout.members, m, 0.1)
+    assert kernel.prefix_attention(query, *args) is None
+    want = prefix_attention(
+        SharedPrefixLayer(keys, values, _layout(rows)), query, own_k, own_v, m, None
+    )
+    assert torch.equal(prefix_attention(layer, query, own_k, own_v, m, None), want)
+    half = (own_k, own_v.bfloat16())
+    assert kernel.prefix_attention(query, *args[:2], *half, *args[4:]) is None
+
+
+@pytest.mark.parametrize("rows", [1, 7, 628])
+@pytest.mark.parametrize("dim", [70, 576])
+def test_rms_norm_equals_transformers_to_rounding(kernel, rows: int, dim: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = 3 * torch.randn(rows, 1, dim)
+    got = kernel.rms_norm(x, norm.weight.detach(), norm.variance_epsilon)
+    assert got.shape == x.shape
+    assert torch.allclose(got, norm(x), rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_equals_torch_to_rounding(kernel) -> None:
+    gate = torch.cat([torch.randn(1000) * 4, torch.tensor([-100.0, -20.0, 0.0, 20.0, 100.0])])
+    up = torch.randn_like(gate)
+    want = torch.nn.functional.silu(gate) * up
+    got = kernel.silu_mul(gate.reshape(5, 201), up.reshape(5, 201)).reshape(-1)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="one shape"):
+        kernel.silu_mul(gate, up[:-1])
+    with pytest.raises(ValueError, match=r"float32 CPU tensors; got torch\.bfloat16"):
+        kernel.silu_mul(gate.bfloat16(), up.bfloat16())
+
+
+def _counted(method: Any, name: str, calls: dict[str, int]) -> Any:
+    def counted(*args: Any) -> Any:
+        calls[name] = calls.get(name, 0) + 1
+        return method(*args)
+
+    return counted
+
+
+KERNELS = ("linear", "prefix_attention", "rms_norm", "silu_mul", "log_softmax_exp")
+
+
+def test_a_generation_runs_every_kernel_and_samples_as_torch(kernel, monkeypatch) -> None:
+    """The tiny model decoding prompts that repeat: its linear layers, attention over the held
+    prompts, norms, SiLU MLPs and the sampler's log-softmax all run on the kernels (each
+    called), and the tokens and log-probs are torch's to rounding; the modules' own forwards are
+    back afterwards."""
+    from atgrpo.attention import register
+    from atgrpo.generation import HFGenerator, SamplingParams
+    from atgrpo.models import build_tiny_model
+
+    model, tok = build_tiny_model(seed=0)
+    model.set_attn_implementation(register())  # atgrpo's attention, as models.load_model loads
+    tok.padding_side = "left"
+    calls: dict[str, int] = {}
+    for name in KERNELS:
+        monkeypatch.setattr(type(kernel), name, _counted(getattr(type(kernel), name), name, calls))
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ["a prompt", "xy"]] * 3
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=0, top_p=1.0)
+    outs = []
+    for on in (True, False):
+        gen = HFGenerator(model, tok, share_prefill=True, decode_kernel=on)
+        torch.manual_seed(0)
+        outs.append(gen.generate(prompts, params))
+        if on:
+            assert set(calls) == set(KERNELS)
+            calls.clear()
+    assert calls == {}  # decode_kernel=False: none of them
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_log_softmax_exp_equals_torch_to_rounding(kernel) -> None:
+    logits = 6 * torch.randn(5, 1003)  # a vocabulary that is not a multiple of 16
+    logits[1, :500] = float("-inf")  # tokens the processing removed
+    logprobs, probs = kernel.log_softmax_exp(logits)
+    want = torch.log_softmax(logits, -1)
+    finite = want.isfinite()
+    assert torch.equal(finite, logprobs.isfinite()) and torch.all(probs[~finite] == 0)
+    assert torch.allclose(logprobs[finite], want[finite], rtol=0, atol=1e-5)
+    assert torch.allclose(probs, want.exp(), rtol=1e-5, atol=0)
+    assert torch.allclose(probs.sum(-1), torch.ones(5), atol=1e-5)
