@@ -1,6 +1,6 @@
 """Time HF generation with and without a shared prefill (its prompt copied to every row or held
-once; under bf16 autocast, the linear layers on autocast's calls or on packed weights), and the
-sampler's draw.
+once; the linear layers on their own calls or on packed weights: oneDNN's under bf16 autocast,
+MKL's or atgrpo's decode kernel in float32), and the sampler's draw.
 
 SmolLM2-135M-Instruct in ``--precision`` (default: what ``model.precision: auto`` takes on this
 machine), 4 distinct prompts of ~150 tokens x K = 8 copies (the rollout's order), 48 new tokens
@@ -31,7 +31,7 @@ from bench_step import PRECISIONS
 
 import atgrpo.generation.hf as hf
 from atgrpo.config import Precision
-from atgrpo.generation import HFGenerator, SamplingParams
+from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels
 from atgrpo.generation.hf import sample_inverse_cdf
 from atgrpo.generation.packed import supported as packed_supported
 from atgrpo.models import DEFAULT_MODEL, load_model
@@ -71,13 +71,15 @@ def autocast_dtype(choice: str) -> torch.dtype | None:
 def bench_generate(repeats: int, scale: int, dtype: torch.dtype | None) -> None:
     model, tok = load_model(DEFAULT_MODEL, device="cpu")  # SmolLM2-135M-Instruct
     batch = prompts(tok, scale)
-    variants = {  # name: (share_prefill, prompt_once, pack_weights)
-        "share_prefill=False": (False, False, False),
-        "share_prefill=True, prompt copied": (True, False, False),
-        "share_prefill=True, prompt once": (True, True, False),
+    variants = {  # name: (share_prefill, prompt_once, pack_weights, decode_kernel)
+        "share_prefill=False": (False, False, False, False),
+        "share_prefill=True, prompt copied": (True, False, False, False),
+        "share_prefill=True, prompt once": (True, True, False, False),
     }
-    if packed_supported(model, dtype):  # bf16 autocast on a CPU whose oneDNN runs bf16
-        variants["prompt once, weights packed"] = (True, True, True)
+    if packed_supported(model, dtype):  # bf16 autocast where oneDNN runs bf16; float32 on MKL
+        variants["prompt once, weights packed"] = (True, True, True, False)
+        if dtype is None and cpu_kernels.extension() is not None:
+            variants["prompt once, decode kernel"] = (True, True, True, True)
     gens = {
         name: HFGenerator(
             model,
@@ -86,8 +88,9 @@ def bench_generate(repeats: int, scale: int, dtype: torch.dtype | None) -> None:
             autocast_dtype=dtype,
             prompt_once=once,
             pack_weights=pack,
+            decode_kernel=kernel,
         )
-        for name, (share, once, pack) in variants.items()
+        for name, (share, once, pack, kernel) in variants.items()
     }
     outs: dict[str, list] = {}
 

