@@ -13,7 +13,12 @@ $(VENV)/.torch:
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
 	touch $@
 
+# A C++ compiler builds atgrpo's CPU kernels for decoding (atgrpo.generation.cpu_kernels) at
+# first use; Debian's g++ where none is installed and apt can add it (else generation warns once
+# and runs without the kernels).
 $(VENV)/.base: $(VENV)/.torch pyproject.toml
+	command -v $${CXX:-c++} >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] \
+		|| (apt-get update -qq && apt-get install -y -qq g++)
 	$(PIP) install -e .
 	touch $@
 
