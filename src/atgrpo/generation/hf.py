@@ -292,10 +292,10 @@ class HFGenerator:
     False copies them to every row (the same attention; for measuring the two).
     ``pack_weights``: run the linear layers on weights packed once for oneDNN (bf16 autocast) or
     MKL (float32), on CPU (:mod:`atgrpo.generation.packed`; the same logits); False: the layers'
-    own calls. ``decode_kernel``: in float32 where the CPU has AVX-512, atgrpo's CPU kernels for
-    a decode step's linear layers and its attention over prompts held once
-    (:mod:`atgrpo.generation.cpu_kernels`; the logits equal to rounding); False keeps MKL's
-    packed sgemm and torch's operators (bit for bit the unpacked layers' logits).
+    own calls. ``decode_kernel``: in float32 on a CPU with AVX-512, atgrpo's CPU kernels for a
+    decode step's linear layers, attention over prompts held once, norms, SiLU MLPs and the
+    sampler's log-softmax (:mod:`atgrpo.generation.cpu_kernels`; equal to torch's to rounding);
+    False keeps MKL's packed sgemm and torch's operators (bit for bit the unpacked layers').
     """
 
     def __init__(

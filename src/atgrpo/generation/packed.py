@@ -20,11 +20,11 @@ and, while generating, runs the layer on the packed weight:
 The tokens and log-probs of a seeded generation are identical to the unpacked layers' with
 oneDNN's and MKL's packing, and equal to rounding with the decode kernel (tests/test_packed.py).
 A packed weight is reused until its parameter changes, so it is packed once per rollout, not per
-call. A change is seen by the tensor's storage, its version counter and
-a sample of its values: the version alone is not enough, because torch's fused AdamW (atgrpo's
-default) updates the weights in place without bumping it (until the sample was added, every
-rollout after the first sampled from the packed weights of the first). :meth:`PackedLinears.clear`
-drops them all (the trainer calls it through the generator's ``sync_weights`` after every update).
+call. A change is seen by the tensor's storage, its version counter and a sample of its values:
+the version alone is not enough, because torch's fused AdamW (atgrpo's default) updates the
+weights in place without bumping it (until the sample was added, every rollout after the first
+sampled from the packed weights of the first). :meth:`PackedLinears.clear` drops them all (the
+trainer calls it through the generator's ``sync_weights`` after every update).
 
 Measured on workload (a)'s generation (32 rows, 48 new tokens): bf16 on 2 AMD EPYC cores, 9-15 %
 faster in every one of 5 alternating rounds (median 2.94 against 3.42 s); float32 on a 2-core Intel
@@ -73,7 +73,8 @@ _MKL_ROWS = 32
 
 class PackedLinears:
     """The packed weights of a model's linear layers, kept between generations: bf16 for
-    oneDNN (``autocast_dtype`` bf16) or float32 for MKL (None)."""
+    oneDNN (``autocast_dtype`` bf16), or float32 (None) for atgrpo's decode kernel where it runs
+    and ``decode_kernel`` asks for it, else for MKL."""
 
     def __init__(self, autocast_dtype: torch.dtype | None, decode_kernel: bool = True) -> None:
         self.bf16 = autocast_dtype is torch.bfloat16
@@ -165,7 +166,7 @@ def _fp32_forward(packed: Any, layer: torch.nn.Linear, x: torch.Tensor) -> torch
 
 
 def _kernel_forward(
-    kernel: Any, packed: torch.Tensor, layer: torch.nn.Linear, x: torch.Tensor
+    kernel: cpu_kernels.Kernel, packed: torch.Tensor, layer: torch.nn.Linear, x: torch.Tensor
 ) -> torch.Tensor:
     """``layer(x)`` in float32 on atgrpo's decode kernel, up to its row limit; a larger call
     (a prefill) on torch's own linear."""
