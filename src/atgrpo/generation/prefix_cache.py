@@ -55,11 +55,14 @@ class SharedPrefixLayer(DynamicLayer):
         self.prompt_keys = keys.float()  # (D, Hkv, P, d)
         self.prompt_values = values.float()  # (D, Hkv, P, d)
         self.layout = layout  # shared by the layers
-        self.slots, self.back, self.in_order = layout.slots, layout.back, layout.in_order
         self.decoded = GrowingLayer()
         self.device, self.is_initialized = keys.device, True
         self.kernel = kernel
         self._prompt_kt: torch.Tensor | None = None
+
+    @property
+    def in_order(self) -> bool:
+        return self.layout.in_order
 
     def prompt_kt(self) -> torch.Tensor:
         """The prompt keys transposed and zero-padded to whole blocks of 16, as atgrpo's CPU
@@ -179,14 +182,15 @@ def _per_prompt(layer: SharedPrefixLayer, x: torch.Tensor, y: torch.Tensor) -> t
     """``x[i] @ y[rows[i]]`` for every row i, as one matmul per prompt over its rows together.
 
     x (N, Hkv, G, a), y (D, Hkv, a, b) -> (N, Hkv, G, b)."""
-    prompts, width = layer.slots.shape
+    layout = layer.layout
+    prompts, width = layout.slots.shape
     _, kv_heads, groups, a = x.shape
-    rows = x.reshape(prompts, width, kv_heads, groups, a) if layer.in_order else x[layer.slots]
+    rows = x.reshape(prompts, width, kv_heads, groups, a) if layout.in_order else x[layout.slots]
     grid = rows.transpose(1, 2).reshape(prompts, kv_heads, width * groups, a)
     out = grid @ y  # (D, Hkv, K * G, b)
     out = out.reshape(prompts, kv_heads, width, groups, -1).transpose(1, 2)  # (D, K, Hkv, G, b)
     out = out.reshape(prompts * width, kv_heads, groups, -1)
-    return out if layer.in_order else out[layer.back]
+    return out if layout.in_order else out[layout.back]
 
 
 def shared_prefix(cache: Any, rows: torch.Tensor, kernel: Kernel | None = None) -> Any:
