@@ -1,8 +1,8 @@
 """atgrpo's CPU kernels for a float32 decode step (atgrpo.generation.cpu_kernels): each equal to
 torch's computation to rounding (the linear layer at any row count and input size, the attention
-over held prompts at any row order and mask, the norm, SiLU times up), all of them running in a
-generation, clear errors on bad input, and a warning, not a failure, where they cannot be
-built."""
+over held prompts at any row order and mask, the norm, SiLU times up), the rotary embedding and
+the fused gate-and-up layer bit for bit, all of them running in a generation, clear errors on
+bad input, and a warning, not a failure, where they cannot be built."""
 
 from __future__ import annotations
 
@@ -199,14 +199,15 @@ def _counted(method: Any, name: str, calls: dict[str, int]) -> Any:
     return counted
 
 
-KERNELS = ("linear", "prefix_attention", "rms_norm", "silu_mul", "log_softmax_exp")
+# silu_mul runs where an MLP's gate and up are not packed together (test_fused.py)
+KERNELS = ("linear", "linear_silu_mul", "rope", "prefix_attention", "rms_norm", "log_softmax_exp")
 
 
 def test_a_generation_runs_every_kernel_and_samples_as_torch(kernel, monkeypatch) -> None:
-    """The tiny model decoding prompts that repeat: its linear layers, attention over the held
-    prompts, norms, SiLU MLPs and the sampler's log-softmax all run on the kernels (each
-    called), and the tokens and log-probs are torch's to rounding; the modules' own forwards are
-    back afterwards."""
+    """The tiny model decoding prompts that repeat: its linear layers, rotary embedding,
+    attention over the held prompts, norms, SiLU MLPs and the sampler's log-softmax all run on
+    the kernels (each called), and the tokens and log-probs are torch's to rounding; the
+    modules' own forwards are back afterwards."""
     from atgrpo.attention import register
     from atgrpo.generation import HFGenerator, SamplingParams
     from atgrpo.models import build_tiny_model
@@ -244,3 +245,52 @@ def test_log_softmax_exp_equals_torch_to_rounding(kernel) -> None:
     assert torch.allclose(logprobs[finite], want[finite], rtol=0, atol=1e-5)
     assert torch.allclose(probs, want.exp(), rtol=1e-5, atol=0)
     assert torch.allclose(probs.sum(-1), torch.ones(5), atol=1e-5)
+
+
+@pytest.mark.parametrize(("dim", "heads"), [(64, 15), (32, 3), (48, 5), (128, 4), (20, 3)])
+def test_rope_is_transformers_rotary_embedding_bit_for_bit(kernel, dim: int, heads: int) -> None:
+    """Query and key heads side by side in rows that also hold the values (left untouched),
+    rotated in place as apply_rotary_pos_emb rotates them, at head sizes that are and are not
+    multiples of 32."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(dim)
+    rows, kv = 7, 2
+    states = 3 * torch.randn(rows, (heads + 2 * kv) * dim, generator=g)
+    angles = 50 * torch.randn(rows, dim // 2, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q = states[:, : (heads - kv) * dim].reshape(rows, 1, heads - kv, dim).transpose(1, 2)
+    k = states[:, (heads - kv) * dim : heads * dim].reshape(rows, 1, kv, dim).transpose(1, 2)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[:, None], sin[:, None])
+    got = states.clone()
+    kernel.rope(got, cos, sin, heads)
+    assert torch.equal(got[:, : (heads - kv) * dim], want_q.transpose(1, 2).reshape(rows, -1))
+    assert torch.equal(
+        got[:, (heads - kv) * dim : heads * dim], want_k.transpose(1, 2).reshape(rows, -1)
+    )
+    assert torch.equal(got[:, heads * dim :], states[:, heads * dim :])
+    with pytest.raises(ValueError, match=r"rope takes rows \(rows, >= 3 heads x dim\)"):
+        kernel.rope(torch.randn(rows, 2 * dim), cos, sin, 3)
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        kernel.rope(states.double(), cos, sin, heads)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 11, 32, 33, 64])
+def test_gate_and_up_packed_together_are_the_separate_layers_bit_for_bit(kernel, rows) -> None:
+    """pack(a, b) is the panels of torch.cat([a, b]); linear_silu_mul on pack(gate, up) is
+    linear then silu_mul on the separate weights, bit for bit, and torch's to rounding."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=g)
+    gate, up = torch.randn(96, 200, generator=g) / 14, torch.randn(96, 200, generator=g) / 14
+    together = kernel.pack(gate, up)
+    assert torch.equal(together, kernel.pack(torch.cat([gate, up])))
+    separate = kernel.linear(x, kernel.pack(gate)), kernel.linear(x, kernel.pack(up))
+    assert torch.equal(kernel.linear(x, together), torch.cat(separate, 1))
+    got = kernel.linear_silu_mul(x, together)
+    assert torch.equal(got, kernel.silu_mul(*separate))
+    want = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"packed together; got panels \(3, 200, 32\)"):
+        kernel.linear_silu_mul(x, kernel.pack(torch.randn(96, 200)))
+    with pytest.raises(ValueError, match=r"of one input size .* got \(32, 8\)"):
+        kernel.pack(gate, torch.randn(32, 8))

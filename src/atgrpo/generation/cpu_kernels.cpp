@@ -1,88 +1,21 @@
-// A float32 linear layer for the few rows of a decode step, on AVX-512
-// (atgrpo.generation.cpu_kernels builds it and checks its inputs).
-//
-// y[M, N] = x[M, K] @ w[N, K]^T with w packed once into panels of 32 output columns,
-// [N / 32][K][32]: a panel is one contiguous stream that the kernel reads once for every block
-// of up to 14 rows, 28 accumulators in registers (14 rows x 2 vectors of 16 columns). While the
-// first row block multiplies, the panel's next lines are prefetched kPrefetch bytes ahead, so
-// that reading the weights from memory overlaps the arithmetic (a decode step reads every weight
-// once: at a few rows that read, not the arithmetic, is most of a layer's time). The threads
-// split the panels (OpenMP: the process's one runtime, torch's own libgomp). Each output is one
-// float32 fused multiply-add chain over k in order.
+// atgrpo's CPU kernels for a float32 decode step, on AVX-512 (atgrpo.generation.cpu_kernels
+// builds them, with -ffp-contract=off: a product and a sum written apart are rounded apart, as
+// torch's operators round them, and checks their inputs).
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <utility>
 
 namespace {
 
-constexpr int64_t kPanel = 32;       // output columns of a panel: two AVX-512 vectors
-constexpr int kMaxRows = 14;         // rows of a block: 28 accumulators + 2 weight vectors
-constexpr int64_t kPrefetch = 4096;  // bytes ahead of the panel's current line
-
-template <int Rows>
-void block(const float* x, int64_t K, const float* panel, float* y, int64_t N, bool prefetch) {
-  __m512 acc[Rows][2];
-  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = panel + k * kPanel;
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch + 64, _MM_HINT_T0);
-    }
-    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
-    for (int i = 0; i < Rows; ++i) {
-      const __m512 xi = _mm512_set1_ps(x[i * K + k]);
-      acc[i][0] = _mm512_fmadd_ps(xi, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(xi, w1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < Rows; ++i) {
-    _mm512_storeu_ps(y + i * N, acc[i][0]);
-    _mm512_storeu_ps(y + i * N + 16, acc[i][1]);
-  }
+inline __mmask16 tail(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 }
-
-using Block = void (*)(const float*, int64_t, const float*, float*, int64_t, bool);
-
-template <std::size_t... I>
-constexpr std::array<Block, sizeof...(I)> blocks(std::index_sequence<I...>) {
-  return {block<static_cast<int>(I) + 1>...};
-}
-
-// kBlocks[r - 1] multiplies r rows
-constexpr auto kBlocks = blocks(std::make_index_sequence<kMaxRows>{});
-
-}  // namespace
-
-// y [M, N] = x [M, K] @ w^T, w packed as [N / 32][K][32]; all contiguous float32, N % 32 == 0
-// (the caller checks). `threads`: the OpenMP threads to split the panels over.
-extern "C" void atgrpo_decode_linear(const float* x, const float* packed, float* y, int64_t M,
-                                     int64_t K, int64_t N, int threads) {
-  const int64_t panels = N / kPanel;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t p = 0; p < panels; ++p) {
-    const float* panel = packed + p * K * kPanel;
-    for (int64_t r = 0; r < M; r += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, M - r);
-      kBlocks[rows - 1](x + r * K, K, panel, y + r * N + p * kPanel, N, r == 0);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// One decode step's attention over prompts held once (atgrpo.generation.prefix_cache): row n's
-// G query heads of kv head g score against its prompt's keys (held transposed, [d][P16], so a
-// block of 16 keys is one multiply-add per dimension) and its own decoded keys, take one masked
-// softmax over both, and sum the prompt's and its own values by those weights; one task per
-// (row, kv head), the threads splitting the tasks.
-
-namespace {
 
 // exp(x) for float32 lanes: 2^n * exp(r), r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2], Cephes'
 // polynomial for exp(r) (within 2 units in the last place); exactly 0 where x is -inf.
@@ -102,6 +35,172 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
 }
+
+// silu(g) = g / (1 + exp(-g)), as torch's CPU kernel writes it
+inline __m512 silu512(__m512 g) {
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// A linear layer for the few rows of a decode step.
+//
+// y[M, N] = x[M, K] @ w[N, K]^T with w packed once into panels of 32 output columns,
+// [N / 32][K][32]: a panel is one contiguous stream. The rows go in blocks of up to 14 (28
+// accumulators in registers: a block's rows x 2 vectors of 16 columns), as even as they can
+// be (32 rows: 11, 11, 10), and k in chunks of kChunk: every block of rows multiplies a chunk
+// of the panel while it is in the L1 cache, and each block prefetches its share of the next
+// chunk's lines (the panel's, or the next panel's after its last chunk), so that reading the
+// weight from memory goes on evenly under all the arithmetic (a decode step reads every weight
+// once: at a few rows that read is most of a layer's time). The threads split the panels
+// (OpenMP: the process's one runtime, torch's own libgomp). Each output is one float32 fused
+// multiply-add chain over k in order (kept in y between chunks, stored and loaded exactly).
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns of a panel: two AVX-512 vectors
+constexpr int kMaxRows = 14;    // rows of a block: 28 accumulators + 2 weight vectors
+constexpr int64_t kChunk = 64;  // k of a chunk: 8 KB of the panel
+constexpr int64_t kLine = 64;   // bytes of a cache line
+
+// One block of Rows rows (x at row stride K) times a chunk of kn k's of a panel, into y (row
+// stride ldy), starting from zero or from y; prefetches `lines` cache lines from `ahead`, one
+// every few k.
+template <int Rows>
+void block(const float* x, int64_t K, const float* panel, int64_t kn, float* y, int64_t ldy,
+           bool first, const char* ahead, int64_t lines) {
+  __m512 acc[Rows][2];
+  for (int i = 0; i < Rows; ++i) {
+    acc[i][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy);
+    acc[i][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy + 16);
+  }
+  const int64_t every = lines > 0 ? std::max<int64_t>(1, kn / lines) : kn + 1;
+  int64_t fetched = 0;
+  for (int64_t k = 0; k < kn; ++k) {
+    if (k % every == 0 && fetched < lines) _mm_prefetch(ahead + kLine * fetched++, _MM_HINT_T0);
+    const float* wk = panel + k * kPanel;
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    for (int i = 0; i < Rows; ++i) {
+      const __m512 xi = _mm512_set1_ps(x[i * K + k]);
+      acc[i][0] = _mm512_fmadd_ps(xi, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xi, w1, acc[i][1]);
+    }
+  }
+  while (fetched < lines) _mm_prefetch(ahead + kLine * fetched++, _MM_HINT_T0);
+  for (int i = 0; i < Rows; ++i) {
+    _mm512_storeu_ps(y + i * ldy, acc[i][0]);
+    _mm512_storeu_ps(y + i * ldy + 16, acc[i][1]);
+  }
+}
+
+using Block = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool,
+                       const char*, int64_t);
+
+template <std::size_t... I>
+constexpr std::array<Block, sizeof...(I)> blocks(std::index_sequence<I...>) {
+  return {block<static_cast<int>(I) + 1>...};
+}
+
+// kBlocks[r - 1] multiplies r rows
+constexpr auto kBlocks = blocks(std::make_index_sequence<kMaxRows>{});
+
+// y[M, 32] (row stride ldy) = x[M, K] times one panel; `next`: the panel this thread runs
+// after this one, whose first chunk the last chunk prefetches.
+void panel_product(const float* x, int64_t M, int64_t K, const float* panel, const float* next,
+                   float* y, int64_t ldy) {
+  const int64_t nblocks = (M + kMaxRows - 1) / kMaxRows, per = (M + nblocks - 1) / nblocks;
+  for (int64_t kc = 0; kc < K; kc += kChunk) {
+    const int64_t kn = std::min<int64_t>(kChunk, K - kc);
+    const float* after = kc + kn < K ? panel + (kc + kn) * kPanel : next;
+    const int64_t lines = std::min<int64_t>(kChunk, K - kc - kn > 0 ? K - kc - kn : kChunk) *
+                          kPanel * sizeof(float) / kLine;
+    for (int64_t b = 0, r = 0; r < M; ++b, r += per) {
+      const int64_t lo = lines * b / nblocks, hi = lines * (b + 1) / nblocks;
+      const char* ahead = reinterpret_cast<const char*>(after) + kLine * lo;
+      kBlocks[std::min(per, M - r) - 1](x + r * K + kc, K, panel + kc * kPanel, kn, y + r * ldy,
+                                        ldy, kc == 0, ahead, hi - lo);
+    }
+  }
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ w^T, w packed as [N / 32][K][32]; all contiguous float32, N % 32 == 0
+// (the caller checks). `threads`: the OpenMP threads to split the panels over.
+extern "C" void atgrpo_decode_linear(const float* x, const float* packed, float* y, int64_t M,
+                                     int64_t K, int64_t N, int threads) {
+  const int64_t panels = N / kPanel;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < panels; ++p) {
+    const float* panel = packed + p * K * kPanel;
+    panel_product(x, M, K, panel, panel + K * kPanel, y + p * kPanel, N);
+  }
+}
+
+// A gated MLP's first half: y [M, N] = silu(x @ gate^T) * (x @ up^T), the two weights packed
+// together as [gate; up] (2N outputs, [2N / 32][K][32]). Panel p of the gate goes to a scratch
+// block, panel p of up to y, and y's columns then become silu(gate) * up: what the linear
+// kernel and atgrpo_silu_mul give in three calls, without writing the gate out.
+extern "C" void atgrpo_decode_linear_silu_mul(const float* x, const float* packed, float* y,
+                                              int64_t M, int64_t K, int64_t N, int threads) {
+  const int64_t panels = N / kPanel, size = K * kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    float* gate = static_cast<float*>(std::malloc(M * kPanel * sizeof(float)));
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const float *g = packed + p * size, *u = packed + (panels + p) * size;
+      panel_product(x, M, K, g, u, gate, kPanel);
+      panel_product(x, M, K, u, g + size, y + p * kPanel, N);
+      for (int64_t r = 0; r < M; ++r) {
+        float* yr = y + r * N + p * kPanel;
+        for (int c = 0; c < kPanel; c += 16) {
+          const __m512 s = silu512(_mm512_loadu_ps(gate + r * kPanel + c));
+          _mm512_storeu_ps(yr + c, _mm512_mul_ps(s, _mm512_loadu_ps(yr + c)));
+        }
+      }
+    }
+    std::free(gate);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The rotary embedding of transformers' Llama-family attention (apply_rotary_pos_emb with
+// rotate_half), in place: each of a row's `heads` heads of `dim` values becomes
+// x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]), every product and sum
+// rounded on its own as torch's operators round them.
+
+// x: rows at row stride `stride`, their first `heads` heads rotated; cos / sin: a row of `dim`
+// values for each row (row stride `cs_stride`).
+extern "C" void atgrpo_rope(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t dim,
+                            const float* cos, const float* sin, int64_t cs_stride) {
+  const int64_t half = dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *c = cos + r * cs_stride, *s = sin + r * cs_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * stride + h * dim;
+      for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = tail(half - i);
+        const __m512 a = _mm512_maskz_loadu_ps(m, v + i), b = _mm512_maskz_loadu_ps(m, v + half + i);
+        const __m512 ca = _mm512_maskz_loadu_ps(m, c + i), cb = _mm512_maskz_loadu_ps(m, c + half + i);
+        const __m512 sa = _mm512_maskz_loadu_ps(m, s + i), sb = _mm512_maskz_loadu_ps(m, s + half + i);
+        const __m512 minus_b = _mm512_sub_ps(_mm512_setzero_ps(), b);
+        _mm512_mask_storeu_ps(v + i, m, _mm512_add_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(minus_b, sa)));
+        _mm512_mask_storeu_ps(v + half + i, m, _mm512_add_ps(_mm512_mul_ps(b, cb), _mm512_mul_ps(a, sb)));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One decode step's attention over prompts held once (atgrpo.generation.prefix_cache): row n's
+// G query heads of kv head g score against its prompt's keys (held transposed, [d][P16], so a
+// block of 16 keys is one multiply-add per dimension) and its own decoded keys, take one masked
+// softmax over both, and sum the prompt's and its own values by those weights; one task per
+// (row, kv head), the threads splitting the tasks.
+
+namespace {
 
 struct Attention {
   const float* query;       // [N][H][D]
@@ -281,14 +380,6 @@ extern "C" int atgrpo_prefix_attention(const Attention* a, int groups, int dim, 
 // of torch operators: RMS norm (as transformers' Llama / Qwen norms compute it, in float32) and
 // SiLU(gate) * up (a gated MLP's activation).
 
-namespace {
-
-inline __mmask16 tail(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
-}  // namespace
-
 // y = weight * (x * 1 / sqrt(mean(x^2) + eps)) per row of `dim` values
 extern "C" void atgrpo_rms_norm(const float* x, const float* weight, float* y, int64_t rows,
                                 int64_t dim, float eps) {
@@ -312,11 +403,9 @@ extern "C" void atgrpo_rms_norm(const float* x, const float* weight, float* y, i
 
 // y = gate * sigmoid(gate) * up, over n values
 extern "C" void atgrpo_silu_mul(const float* gate, const float* up, float* y, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail(n - i);
-    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 silu = silu512(_mm512_maskz_loadu_ps(m, gate + i));
     _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + i)));
   }
 }

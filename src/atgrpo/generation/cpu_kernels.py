@@ -4,11 +4,16 @@ A decode step of a small model on a CPU is a few rows through many layers. Eager
 hundreds of library calls and operators each step, each a few microseconds of arithmetic behind a
 dispatch, and its linear layers on MKL's packed sgemm, which reads a weight and multiplies it one
 after the other. ``cpu_kernels.cpp`` holds five kernels for that step, each computing what
-torch's path computes, in float32, equal to it to rounding (not bit for bit):
+torch's path computes, in float32, equal to it to rounding (not bit for bit; the rotary
+embedding bit for bit):
 
 * :meth:`Kernel.linear`: a linear layer at up to :data:`MAX_ROWS` rows on its weight packed once
-  into panels of 32 output columns, prefetching a panel's next lines while it multiplies, so that
-  reading the weight overlaps the arithmetic (:mod:`atgrpo.generation.packed` uses it);
+  into panels of 32 output columns, prefetching the panel's next lines while it multiplies, so
+  that reading the weight overlaps the arithmetic (:mod:`atgrpo.generation.packed` uses it;
+  several layers of one input packed together run as one, :mod:`atgrpo.generation.fused`);
+* :meth:`Kernel.linear_silu_mul`: a gated MLP's gate and up layers packed together and
+  ``silu(gate) * up`` in one call;
+* :meth:`Kernel.rope`: the rotary embedding of a query and key, in place;
 * :meth:`Kernel.prefix_attention`: the attention over prompts held once
   (:mod:`atgrpo.generation.prefix_cache`) in one call, each prompt's keys and values read once
   for all its rows and query heads;
@@ -38,13 +43,18 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from atgrpo.models import cache_dir
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# -ffp-contract=off: a product and a sum the source writes apart are rounded apart, as torch rounds
+# them (the compiler would otherwise fuse them into one multiply-add)
+_FLAGS = [
+    "-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"
+]  # fmt: skip
 
 # The most rows a call runs through the kernel: at 96 rows and more it is level with MKL
 # (docs/results.md), so larger calls (a prefill) keep torch's own linear.
@@ -89,10 +99,15 @@ class Kernel:
     :meth:`prefix_attention` for a decode step over prompts held once."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._run = library.atgrpo_decode_linear
         c_ptr, c_int64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._run.argtypes = [c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
-        self._run.restype = None
+        self._run = library.atgrpo_decode_linear
+        self._run_silu_mul = library.atgrpo_decode_linear_silu_mul
+        for run in (self._run, self._run_silu_mul):
+            run.argtypes = [c_ptr, c_ptr, c_ptr, c_int64, c_int64, c_int64, c_int]
+            run.restype = None
+        self._rope = library.atgrpo_rope
+        self._rope.argtypes = [c_ptr, c_int64, c_int64, c_int64, c_int64, c_ptr, c_ptr, c_int64]
+        self._rope.restype = None
         self._attend = library.atgrpo_prefix_attention
         self._attend.argtypes = [ctypes.POINTER(_Attention), c_int, c_int, c_int]
         self._attend.restype = c_int
@@ -144,18 +159,36 @@ class Kernel:
         return out
 
     @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` (N, K) as panels (N / 32, K, 32) of 32 output columns."""
-        if not applies(weight):
-            raise ValueError(
-                f"the decode kernel packs a 2-d float32 CPU weight whose rows are a multiple of "
-                f"{PANEL}; got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
-            )
-        n_out, n_in = weight.shape
-        return weight.detach().reshape(n_out // PANEL, PANEL, n_in).transpose(1, 2).contiguous()
+    def pack(*weights: torch.Tensor) -> torch.Tensor:
+        """``weights`` (N_i, K) as panels (sum N_i / 32, K, 32) of 32 output columns: one weight,
+        or several of one input stacked (their outputs side by side, as ``torch.cat`` of the
+        weights would give them)."""
+        for weight in weights:
+            if not applies(weight) or weight.shape[1] != weights[0].shape[1]:
+                raise ValueError(
+                    f"the decode kernel packs 2-d float32 CPU weights of one input size whose "
+                    f"rows are a multiple of {PANEL}; got {tuple(weight.shape)} {weight.dtype} on "
+                    f"{weight.device}"
+                )
+        n_in = weights[0].shape[1]
+        whole = torch.cat([w.detach() for w in weights]) if len(weights) > 1 else weights[0]
+        return whole.detach().reshape(-1, PANEL, n_in).transpose(1, 2).contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """``x (M, K) @ weight.T`` from its packed panels: (M, N), float32."""
+        return self._linear(self._run, x, packed, packed.shape[0] * PANEL)
+
+    def linear_silu_mul(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """``silu(x @ gate.T) * (x @ up.T)`` from ``pack(gate, up)``: (M, N), N the gate's
+        outputs, float32; equal to :meth:`linear` then :meth:`silu_mul`, bit for bit."""
+        if packed.dim() != 3 or packed.shape[0] % 2:
+            raise ValueError(
+                f"linear_silu_mul takes a gate and an up weight packed together; got panels "
+                f"{tuple(packed.shape)}"
+            )
+        return self._linear(self._run_silu_mul, x, packed, packed.shape[0] // 2 * PANEL)
+
+    def _linear(self, run: Any, x: torch.Tensor, packed: torch.Tensor, n_out: int) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
             raise ValueError(
                 f"the decode kernel takes 2-d float32 CPU rows; got {x.dtype} {x.shape}"
@@ -167,12 +200,32 @@ class Kernel:
             )
         x = x.contiguous()
         rows, n_in = x.shape
-        out = torch.empty(rows, packed.shape[0] * PANEL)
-        self._run(
-            x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n_in, out.shape[1],
-            torch.get_num_threads(),
-        )  # fmt: skip
+        out = torch.empty(rows, n_out)
+        run(x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, n_in, n_out,
+            torch.get_num_threads())  # fmt: skip
         return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+        """Rotate the first ``heads`` heads of each row of ``x`` (rows, >= heads x dim) in place
+        by its row of ``cos`` and ``sin`` (rows, dim): ``x * cos + rotate_half(x) * sin`` as
+        transformers' Llama-family ``apply_rotary_pos_emb`` computes it, bit for bit."""
+        _check_float32(x, cos, sin)
+        rows, dim = cos.shape if cos.dim() == 2 else (-1, -1)
+        if (
+            sin.shape != cos.shape
+            or x.dim() != 2
+            or x.shape[0] != rows
+            or dim % 2
+            or x.shape[1] < heads * dim
+            or x.stride(1) != 1
+        ):
+            raise ValueError(
+                f"rope takes rows (rows, >= {heads} heads x dim) and (rows, dim) cos and sin "
+                f"with an even dim; got {tuple(x.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}"
+            )
+        cos, sin = cos.contiguous(), sin.contiguous()
+        self._rope(x.data_ptr(), rows, x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(),
+                   dim)  # fmt: skip
 
     def prefix_attention(
         self,

@@ -6,8 +6,9 @@ tempers the logits, keeps the top-k, then the top-p of what is left, renormalise
 log-prob and returns scores that make the choice certain (0 for the drawn token, -inf elsewhere).
 ``generate`` runs greedy (``do_sample=False``): its argmax takes our token, and the warpers of
 transformers (temperature, top-k, top-p, min-p, typical-p, ...), which it builds only when sampling,
-never run. The recorded log-prob is thus that of the distribution the token was drawn from. Only one
-(N, V) tensor of a step is alive, not ``output_scores``' (steps, N, V).
+never run. The recorded log-prob is thus that of the
+distribution the token was drawn from. Only one (N, V) tensor of a step is alive, not
+``output_scores``' (steps, N, V).
 
 **Shared prefill** (``share_prefill=True``). The rollout asks for K samples of each prompt, so a
 batch repeats every prompt K times. Each distinct prompt is prefilled once: one forward of the
@@ -50,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -409,10 +411,7 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            packed, kernel = self.packed, self._kernel()
-            packing = packed.active(self.model) if packed is not None else contextlib.nullcontext()
-            fusing = fused.active(self.model, kernel) if kernel else contextlib.nullcontext()
-            with autocast_for(self.model, self.autocast_dtype), packing, fusing:
+            with autocast_for(self.model, self.autocast_dtype), self._fast_layers():
                 extra: dict[str, Any] = {}
                 if self.share_prefill and input_ids.shape[1] > 1:  # width 1: nothing to share
                     name = cache_kwarg(unwrapped(self.model).forward)
@@ -430,6 +429,21 @@ class HFGenerator:
                 return out, input_ids.shape[1]
         finally:
             self.model.train(was_training)
+
+    @contextlib.contextmanager
+    def _fast_layers(self) -> Iterator[None]:
+        """The linear layers on packed weights (``pack_weights``) and, where the CPU kernels run
+        (``decode_kernel``), norms, MLPs and attentions on them, their layers of one input
+        packed together (:mod:`atgrpo.generation.fused`)."""
+        packed, kernel = self.packed, self._kernel()
+        with contextlib.ExitStack() as stack:
+            together = None
+            if packed is not None:
+                groups = fused.groups(self.model) if kernel else []
+                together = stack.enter_context(packed.active(self.model, groups))
+            if kernel:
+                stack.enter_context(fused.active(self.model, kernel, together))
+            yield
 
     def _prefill(
         self,

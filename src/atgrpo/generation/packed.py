@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,8 @@ from atgrpo.generation import cpu_kernels
 # a linear layer's forward bound to its packed weight, called with the layer and the input
 # (the layer itself is not held: the packed weights are kept by a weak reference to it)
 Forward = Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]
+# linear layers of one input that run as one (an attention's query, key and value layers)
+Group = tuple[torch.nn.Linear, ...]
 
 
 def supported(model: Any, autocast_dtype: torch.dtype | None) -> bool:
@@ -83,13 +85,17 @@ class PackedLinears:
         # layer -> (the weight's stamp when packed, the layer's forward on its packed weight)
         self._packed: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[_Stamp, Forward]]
         self._packed = weakref.WeakKeyDictionary()
+        # a group's first layer -> (its weights' stamps when packed, their packed panels)
+        self._groups: weakref.WeakKeyDictionary[torch.nn.Linear, tuple[tuple[_Stamp, ...], Any]]
+        self._groups = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
-        return len(self._packed)
+        return len(self._packed) + len(self._groups)
 
     def clear(self) -> None:
         """Forget every packed weight: the next generation packs the current ones."""
         self._packed.clear()
+        self._groups.clear()
 
     def drop_at_training_forward(self, model: torch.nn.Module) -> None:
         """Forget every packed weight at ``model``'s next forward in training mode (an update's):
@@ -99,20 +105,46 @@ class PackedLinears:
         model.register_forward_pre_hook(self._drop_if_training)
 
     def _drop_if_training(self, module: torch.nn.Module, args: Any) -> None:
-        if module.training and self._packed:
+        if module.training and len(self):
             self._packed.clear()
+            self._groups.clear()
 
     @contextlib.contextmanager
-    def active(self, model: torch.nn.Module) -> Iterator[None]:
-        """Run every linear layer of ``model`` on its packed weight inside the block."""
-        layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    def active(
+        self, model: torch.nn.Module, groups: Sequence[Group] = ()
+    ) -> Iterator[dict[Group, torch.Tensor]]:
+        """Run every linear layer of ``model`` on its packed weight inside the block.
+
+        ``groups``: layers of one input that a fused forward runs as one
+        (:mod:`atgrpo.generation.fused`), each packed together for atgrpo's decode kernel where
+        it runs them; the block gets those packed weights, and their layers are left as they
+        are (a call that the fused forward does not take, a prefill's, runs torch's linear, as
+        above the kernel's rows anyway)."""
+        together = {group: w for group in groups if (w := self._group(group)) is not None}
+        taken = {layer for group in together for layer in group}
+        layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m not in taken]
         for layer in layers:
             layer.forward = functools.partial(self._forward(layer), layer)  # type: ignore[method-assign]
         try:
-            yield
+            yield together
         finally:
             for layer in layers:
                 del layer.forward  # back to nn.Linear.forward
+
+    def _group(self, group: Group) -> torch.Tensor | None:
+        """``group``'s weights packed together for the decode kernel (kept like a layer's,
+        under its first layer), or None where the kernel does not run them."""
+        kernel = cpu_kernels.extension() if self.decode_kernel else None
+        weights = [layer.weight for layer in group]
+        plain = all(type(layer) is torch.nn.Linear for layer in group)  # not LoRA-wrapped
+        if kernel is None or not plain or not all(cpu_kernels.applies(w) for w in weights):
+            return None
+        stamps = tuple(_Stamp.of(w) for w in weights)
+        held = self._groups.get(group[0])
+        if held is None or not _all_match(held[0], stamps):
+            held = (stamps, kernel.pack(*weights))
+            self._groups[group[0]] = held
+        return held[1]
 
     def _forward(self, layer: torch.nn.Linear) -> Forward:
         weight = layer.weight
@@ -157,6 +189,10 @@ class _Stamp:
         return (self.pointer, self.version) == (other.pointer, other.version) and torch.equal(
             self.sample, other.sample
         )
+
+
+def _all_match(held: tuple[_Stamp, ...], now: tuple[_Stamp, ...]) -> bool:
+    return len(held) == len(now) and all(a.matches(b) for a, b in zip(held, now, strict=True))
 
 
 def _fp32_forward(packed: Any, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
