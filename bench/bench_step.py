@@ -70,18 +70,20 @@ than its fp32 ones (docs/results.md), so a bf16 step there measures the emulatio
 
 The roofline (both workloads): the parent measures this machine's limits in the same run, a
 matmul in the step's precision (GFLOP/s, 2048 and 4096 square) and a large tensor copy (GB/s,
-read + write), and each variant is shown against them: generation's bound is its prefill's
+read + write), before each round and after the last, and takes the median of those measurements
+(a shared VM's rates drift by 10-30 % within a run: one measurement at the start tied every
+ratio to that moment); each variant is shown against them: generation's bound is its prefill's
 FLOPs at the matmul rate plus, per new token, the larger of reading the weights once (bf16: 2
-bytes a parameter, fp32: 4) at the copy bandwidth and the decode step's FLOPs (2 x parameters
-x rows) at the matmul rate; the update's achieved GFLOP/s is 6 x parameters x the tokens it
-runs forward and backward (a shared prompt once per group) / its seconds. "gen x bound" is
-generation time / its bound (1 = at the machine's limit); "upd % mm" the update's rate as a
-share of the matmul rate. In workload b, generation is the time inside the rollout's
-``HFGenerator`` calls (each agent's turns, the lookahead probes), its bound the sum of each
-call's at its own rows, prefill tokens (each distinct prompt once where the prefill is shared)
-and steps, as medians over the settled steps; the update's tokens count each PPO epoch (a
-separate pi_old forward, where there is one, is not counted: the rate shown is then a floor).
-``--profile`` adds torch.profiler's top operators of one atgrpo-share step, per phase.
+bytes a parameter, fp32: 4) at the copy bandwidth and the decode step's FLOPs (2 x parameters x
+rows) at the matmul rate; the update's achieved GFLOP/s is 6 x parameters x the tokens it runs
+forward and backward (a shared prompt once per group) / its seconds. "gen x bound" is generation
+time / its bound (1 = at the machine's limit); "upd % mm" the update's rate as a share of the
+matmul rate. In workload b, generation is the time inside the rollout's ``HFGenerator`` calls
+(each agent's turns, the lookahead probes), its bound the sum of each call's at its own rows,
+prefill tokens (each distinct prompt once where the prefill is shared) and steps, as medians
+over the settled steps; the update's tokens count each PPO epoch (a separate pi_old forward,
+where there is one, is not counted: the rate shown is then a floor). ``--profile`` adds
+torch.profiler's top operators of one atgrpo-share step, per phase.
 
 Numbers vary with the machine and its load; compare the rows of one run, not runs.
 """
@@ -688,6 +690,16 @@ def _best_of(fn: Any, repeats: int) -> float:
     return best
 
 
+def pooled_limits(samples: list[dict[str, float]]) -> dict[str, Any]:
+    """The median of each limit over ``samples`` (measurements through the run), with each
+    limit's range under ``ranges``."""
+    keys = samples[0].keys()
+    pooled: dict[str, Any] = {k: statistics.median(x[k] for x in samples) for k in keys}
+    pooled["ranges"] = {k: (min(x[k] for x in samples), max(x[k] for x in samples)) for k in keys}
+    pooled["measurements"] = len(samples)
+    return pooled
+
+
 def roofline(s: dict[str, Any], limits: dict[str, float], precision: str) -> dict[str, float]:
     """Generation's bound (seconds) and the update's achieved GFLOP/s (module docstring).
 
@@ -737,11 +749,14 @@ def decode_bound(params: float, rows: float, limits: dict[str, float], precision
 
 
 def print_roofline(
-    summaries: dict[str, dict[str, Any]], limits: dict[str, float], precision: str
+    summaries: dict[str, dict[str, Any]], limits: dict[str, Any], precision: str
 ) -> None:
+    (mm_lo, mm_hi), (cp_lo, cp_hi) = (limits["ranges"][k] for k in ("matmul_gflops", "copy_gbs"))
     print(
-        f"\nroofline: {precision} matmul {limits['matmul_gflops']:.0f} GFLOP/s, copy "
-        f"{limits['copy_gbs']:.1f} GB/s (measured in this run)"
+        f"\nroofline: {precision} matmul {limits['matmul_gflops']:.0f} GFLOP/s ({mm_lo:.0f}-"
+        f"{mm_hi:.0f}), copy {limits['copy_gbs']:.1f} GB/s ({cp_lo:.1f}-{cp_hi:.1f}): medians "
+        f"(ranges) of {limits['measurements']} measurements in this run, before each round and "
+        "after the last"
     )
     print(
         f"{'variant':<16}{'gen s':>8}{'bound s':>9}{'gen x bound':>13}{'upd GFLOP/s':>13}"
@@ -879,18 +894,20 @@ def parent(args: argparse.Namespace) -> None:
                 f"error: --variants leaves workload {w} nothing to run: name one of "
                 f"{', '.join(variants(w, args.vllm))}"
             )
-    limits = machine_limits(args.threads, precision)
+    samples: list[dict[str, float]] = []  # the machine's limits, before each round and at the end
     results: dict[str, dict[str, list[dict[str, Any]]]] = {w: {} for w in workloads}
     failed = False
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         for w in workloads:
             for _ in range(args.rounds):  # rounds alternate the variants' processes
+                samples.append(machine_limits(args.threads, precision))
                 for variant in variants(w, args.vllm, args.variants):
                     result = run_child(args, w, variant, precision, Path(tmp))
                     failed = failed or result is None
                     if result is not None:
                         results[w].setdefault(variant, []).append(result)
-    report(workloads, results, limits, precision, args.rounds)
+    samples.append(machine_limits(args.threads, precision))
+    report(workloads, results, pooled_limits(samples), precision, args.rounds)
     if failed:
         sys.exit(1)
 
@@ -898,7 +915,7 @@ def parent(args: argparse.Namespace) -> None:
 def report(
     workloads: list[str],
     results: dict[str, dict[str, list[dict[str, Any]]]],
-    limits: dict[str, float],
+    limits: dict[str, Any],
     precision: str,
     rounds: int,
 ) -> None:

@@ -1,4 +1,5 @@
-"""bench/bench_step.py's roofline: the bound follows the step's precision."""
+"""bench/bench_step.py's roofline: the bound follows the step's precision; the limits are
+medians of the run's measurements."""
 
 from __future__ import annotations
 
@@ -89,3 +90,11 @@ def test_workload_b_sums_each_generate_call_s_bound_and_takes_medians_over_steps
     assert r["gen_bound_s"] == pytest.approx(4.9)
     assert r["gen_s"] == pytest.approx(10.5)  # median of 7 and 14: the rollout's 99 s unused
     assert r["gen_x_bound"] == pytest.approx(10.5 / 4.9)
+
+
+def test_the_limits_are_the_medians_of_the_run_s_measurements() -> None:
+    samples = [{"matmul_gflops": g, "copy_gbs": c} for g, c in [(300, 20), (250, 26), (320, 22)]]
+    pooled = bench.pooled_limits(samples)
+    assert (pooled["matmul_gflops"], pooled["copy_gbs"]) == (300, 22)
+    assert pooled["ranges"] == {"matmul_gflops": (250, 320), "copy_gbs": (20, 26)}
+    assert pooled["measurements"] == 3
