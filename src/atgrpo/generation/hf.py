@@ -296,9 +296,11 @@ class HFGenerator:
     ``pack_weights``: run the linear layers on weights packed once for oneDNN (bf16 autocast) or
     MKL (float32), on CPU (:mod:`atgrpo.generation.packed`; the same logits); False: the layers'
     own calls. ``decode_kernel``: in float32 on a CPU with AVX-512, atgrpo's CPU kernels for a
-    decode step's linear layers, attention over prompts held once, norms, SiLU MLPs and the
-    sampler's log-softmax (:mod:`atgrpo.generation.cpu_kernels`; equal to torch's to rounding);
-    False keeps MKL's packed sgemm and torch's operators (bit for bit the unpacked layers').
+    decode step's linear layers (with ``pack_weights``, an attention's query, key and value
+    layers as one call with the rotary embedding, an MLP's gate and up as one with SiLU:
+    :mod:`atgrpo.generation.fused`), attention over prompts held once, norms and the sampler's
+    log-softmax (:mod:`atgrpo.generation.cpu_kernels`; equal to torch's to rounding); False keeps
+    MKL's packed sgemm and torch's operators (bit for bit the unpacked layers').
     """
 
     def __init__(
