@@ -34,6 +34,17 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session")
+def kernel() -> Any:
+    """atgrpo's CPU kernels (atgrpo.generation.cpu_kernels), or a skip where they do not run."""
+    from atgrpo.generation import cpu_kernels
+
+    ext = cpu_kernels.extension()
+    if ext is None:
+        pytest.skip("atgrpo's CPU kernels do not run on this CPU")
+    return ext
+
+
 def bench_module(name: str) -> Any:
     """``bench/<name>.py`` imported as a module (bench/ on the path: its scripts import each
     other, as bench_packing imports bench_step)."""

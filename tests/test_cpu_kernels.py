@@ -17,14 +17,6 @@ from atgrpo.generation.packed import _kernel_forward
 from atgrpo.models import cache_dir
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    ext = cpu_kernels.extension()
-    if ext is None:
-        pytest.skip("atgrpo's decode kernel does not run on this CPU")
-    return ext
-
-
 @pytest.mark.parametrize("rows", [1, 5, 13, 14, 15, 28, 32, 33, 64])
 @pytest.mark.parametrize(("n_in", "n_out"), [(1, 32), (70, 96), (576, 192), (1536, 64)])
 def test_equal_to_torch_linear_to_rounding(kernel, rows: int, n_in: int, n_out: int) -> None:

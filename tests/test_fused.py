@@ -16,45 +16,12 @@ from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels, fused
 from atgrpo.generation.packed import PackedLinears
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    ext = cpu_kernels.extension()
-    if ext is None:
-        pytest.skip("atgrpo's CPU kernels do not run on this CPU")
-    return ext
-
-
 def _tiny(kind: str) -> tuple[Any, Any]:
     """A 2-layer model of ``kind`` with random weights and atgrpo's attention."""
-    import transformers
-
     from atgrpo.attention import register
-    from atgrpo.models import build_tiny_model, build_tiny_tokenizer
+    from atgrpo.models import build_tiny_model
 
-    if kind == "llama":
-        model, tok = build_tiny_model(seed=0)
-    else:
-        tok = build_tiny_tokenizer()
-        config_class, model_class = {
-            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        }[kind]
-        config = config_class(
-            vocab_size=len(tok),
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            bos_token_id=tok.bos_token_id,
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = model_class(config)
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.generation_config.eos_token_id = tok.eos_token_id
+    model, tok = build_tiny_model(seed=0, family=kind)
     model.set_attn_implementation(register())
     tok.padding_side = "left"
     return model, tok

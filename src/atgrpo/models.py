@@ -138,12 +138,22 @@ def build_tiny_tokenizer() -> Any:
     return tok
 
 
-def build_tiny_model(seed: int = 0) -> tuple[Any, Any]:
-    """A seeded random 2-layer Llama (~0.4 M parameters) and its tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# Architectures build_tiny_model builds: transformers' config and model class names
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # biases on the query, key and value layers
+}
 
+
+def build_tiny_model(seed: int = 0, family: str = "llama") -> tuple[Any, Any]:
+    """A seeded random 2-layer model (~0.4 M parameters; a Llama unless ``family`` names another
+    of :data:`TINY_FAMILIES`) and its tokenizer."""
+    import transformers
+
+    config_name, model_name = TINY_FAMILIES[family]
     tok = build_tiny_tokenizer()
-    config = LlamaConfig(
+    config = getattr(transformers, config_name)(
         vocab_size=len(tok),
         hidden_size=128,
         intermediate_size=256,
@@ -158,7 +168,7 @@ def build_tiny_model(seed: int = 0) -> tuple[Any, Any]:
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, model_name)(config)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
