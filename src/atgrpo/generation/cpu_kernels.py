@@ -3,7 +3,7 @@
 A decode step of a small model on a CPU is a few rows through many layers. Eager torch runs it as
 hundreds of library calls and operators each step, each a few microseconds of arithmetic behind a
 dispatch, and its linear layers on MKL's packed sgemm, which reads a weight and multiplies it one
-after the other. ``cpu_kernels.cpp`` holds five kernels for that step, each computing what
+after the other. ``cpu_kernels.cpp`` holds the kernels for that step, each computing what
 torch's path computes, in float32, equal to it to rounding (not bit for bit; the rotary
 embedding bit for bit):
 
