@@ -112,9 +112,10 @@ void panel_product(const float* x, int64_t M, int64_t K, const float* panel, con
   const int64_t nblocks = (M + kMaxRows - 1) / kMaxRows, per = (M + nblocks - 1) / nblocks;
   for (int64_t kc = 0; kc < K; kc += kChunk) {
     const int64_t kn = std::min<int64_t>(kChunk, K - kc);
-    const float* after = kc + kn < K ? panel + (kc + kn) * kPanel : next;
-    const int64_t lines = std::min<int64_t>(kChunk, K - kc - kn > 0 ? K - kc - kn : kChunk) *
-                          kPanel * sizeof(float) / kLine;
+    const bool last = kc + kn == K;  // then the next chunk is the next panel's first
+    const float* after = last ? next : panel + (kc + kn) * kPanel;
+    const int64_t next_k = last ? kChunk : std::min<int64_t>(kChunk, K - kc - kn);
+    const int64_t lines = next_k * kPanel * sizeof(float) / kLine;
     for (int64_t b = 0, r = 0; r < M; ++b, r += per) {
       const int64_t lo = lines * b / nblocks, hi = lines * (b + 1) / nblocks;
       const char* ahead = reinterpret_cast<const char*>(after) + kLine * lo;

@@ -32,6 +32,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,9 +60,10 @@ ATTENTIONS: dict[str, Callable[[Any], dict[str, Any]]] = {
 
 def groups(model: torch.nn.Module) -> list[Group]:
     """The linear layers :func:`active` runs as one call, where they are packed together: each
-    taken attention's query, key and value layers, each taken MLP's gate and up layers, where
-    all of them are plain ``nn.Linear`` (a LoRA-wrapped layer adds its adapter's product to its
-    weight's, which one call on the weights would leave out)."""
+    taken attention's query, key and value layers (all with biases or none, the model's
+    attention function registered with transformers: not its eager one), each taken MLP's gate
+    and up layers (without biases); all of them plain ``nn.Linear`` (a LoRA-wrapped layer adds
+    its adapter's product to its weight's, which one call on the weights would leave out)."""
     found = [group for module in model.modules() if (group := _group(module)) is not None]
     return [group for group in found if all(type(layer) is torch.nn.Linear for layer in group)]
 
@@ -69,11 +71,40 @@ def groups(model: torch.nn.Module) -> list[Group]:
 def _group(module: Any) -> Group | None:
     """``module``'s layers of one input that a fused forward runs as one, if it is taken."""
     name = type(module).__name__
-    if name in ATTENTIONS:
-        return (module.q_proj, module.k_proj, module.v_proj)
+    if name in ATTENTIONS and _attention_function(module) is not None:
+        group: Group = (module.q_proj, module.k_proj, module.v_proj)
+        with_bias = [layer.bias is not None for layer in group]
+        return group if all(with_bias) or not any(with_bias) else None
     if name in MLPS and _silu_mlp(module):
-        return (module.gate_proj, module.up_proj)
+        group = (module.gate_proj, module.up_proj)
+        return group if all(layer.bias is None for layer in group) else None
     return None
+
+
+def _attention_function(attn: Any) -> Callable[..., Any] | None:
+    """The attention function transformers' forward calls for ``attn`` (None: its eager one,
+    which the class's own forward runs)."""
+    return ALL_ATTENTION_FUNCTIONS.get(attn.config._attn_implementation)
+
+
+@dataclass(frozen=True)
+class _Attending:
+    """What an attention's fused forward takes that does not change while generating."""
+
+    weight: torch.Tensor  # the query, key and value weights packed together
+    bias: torch.Tensor | None  # their biases side by side
+    function: Callable[..., Any]  # the attention function
+    extra: dict[str, Any]  # the arguments the class's forward also gives it
+
+    @classmethod
+    def of(cls, attn: Any, weight: torch.Tensor) -> _Attending:
+        layers = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = None
+        if attn.q_proj.bias is not None:
+            bias = torch.cat([layer.bias.detach() for layer in layers])
+        function = _attention_function(attn)
+        assert function is not None  # groups() takes only these
+        return cls(weight, bias, function, ATTENTIONS[type(attn).__name__](attn))
 
 
 @contextlib.contextmanager
@@ -91,7 +122,8 @@ def active(
         elif group is not None and name in MLPS:
             module.forward = functools.partial(_mlp, kernel, packed.get(group), module)
         elif group is not None and (weight := packed.get(group)) is not None:  # an attention
-            module.forward = functools.partial(_attention, kernel, weight, module)
+            prepared = _Attending.of(module, weight)
+            module.forward = functools.partial(_attention, kernel, prepared, module)
         else:
             continue
         patched.append(module)
@@ -123,9 +155,8 @@ def _norm(kernel: Kernel, norm: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _mlp(kernel: Kernel, weight: torch.Tensor | None, mlp: Any, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)): gate and up as one kernel call where they were packed
-    together (and have no bias), else as two calls and the activation's kernel."""
-    plain = mlp.gate_proj.bias is None and mlp.up_proj.bias is None
-    if weight is not None and plain and _fits(mlp, x):
+    together, else as two calls and the activation's kernel."""
+    if weight is not None and _fits(mlp, x):
         hidden = kernel.linear_silu_mul(x.reshape(-1, x.shape[-1]), weight)
         return mlp.down_proj(hidden.reshape(*x.shape[:-1], -1))
     gate, up = mlp.gate_proj(x), mlp.up_proj(x)
@@ -136,7 +167,7 @@ def _mlp(kernel: Kernel, weight: torch.Tensor | None, mlp: Any, x: torch.Tensor)
 
 def _attention(
     kernel: Kernel,
-    weight: torch.Tensor,
+    prepared: _Attending,
     attn: Any,
     hidden_states: torch.Tensor,  # (B, T, hidden)
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -146,9 +177,8 @@ def _attention(
     """The attention's forward with its query, key and value layers as one kernel call and the
     rotary embedding on the kernel (the module docstring); any call the kernel does not fit
     runs the class's forward."""
-    states = _rotated_states(kernel, weight, attn, hidden_states, position_embeddings)
-    interface = ALL_ATTENTION_FUNCTIONS.get(attn.config._attn_implementation)
-    if states is None or interface is None:  # the eager attention: the class's own function
+    states = _rotated_states(kernel, prepared, attn, hidden_states, position_embeddings)
+    if states is None:
         return type(attn).forward(
             attn, hidden_states, position_embeddings, attention_mask, **kwargs
         )
@@ -158,7 +188,7 @@ def _attention(
         cache = kwargs.pop("past_key_values", None)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
-    out, weights = interface(
+    out, weights = prepared.function(
         attn,
         query,
         key,
@@ -166,7 +196,7 @@ def _attention(
         attention_mask,
         dropout=0.0,  # not training (_fits)
         scaling=attn.scaling,
-        **ATTENTIONS[type(attn).__name__](attn),
+        **prepared.extra,
         **kwargs,
     )
     out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
@@ -175,14 +205,13 @@ def _attention(
 
 def _rotated_states(
     kernel: Kernel,
-    weight: torch.Tensor,
+    prepared: _Attending,
     attn: Any,
     hidden_states: torch.Tensor,  # (B, T, hidden)
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # (B, heads, T, d) each
     """The query, key and value states after the rotary embedding, as views of one kernel
     output; None where the kernel does not fit the call."""
-    layers = (attn.q_proj, attn.k_proj, attn.v_proj)
     if position_embeddings is None or not _fits(attn, hidden_states):
         return None
     cos, sin = position_embeddings  # (B, T, d)
@@ -190,12 +219,9 @@ def _rotated_states(
     rows = math.prod(lead)
     if not _float32_cpu(cos, sin) or cos.shape != (*lead, dim) or sin.shape != cos.shape:
         return None
-    biases = [layer.bias for layer in layers]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        return None
-    qkv = kernel.linear(hidden_states.reshape(rows, -1), weight)  # (rows, (H + 2 Hkv) d)
-    if biases[0] is not None:
-        qkv += torch.cat([b.detach() for b in biases])
+    qkv = kernel.linear(hidden_states.reshape(rows, -1), prepared.weight)  # (rows, (H + 2 Hkv) d)
+    if prepared.bias is not None:
+        qkv += prepared.bias
     heads, kv_heads = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
     kernel.rope(qkv, cos.reshape(rows, dim), sin.reshape(rows, dim), heads + kv_heads)
     ends = [0, heads, heads + kv_heads, heads + 2 * kv_heads]

@@ -136,8 +136,7 @@ class PackedLinears:
         under its first layer), or None where the kernel does not run them."""
         kernel = cpu_kernels.extension() if self.decode_kernel else None
         weights = [layer.weight for layer in group]
-        plain = all(type(layer) is torch.nn.Linear for layer in group)  # not LoRA-wrapped
-        if kernel is None or not plain or not all(cpu_kernels.applies(w) for w in weights):
+        if kernel is None or not all(cpu_kernels.applies(w) for w in weights):
             return None
         stamps = tuple(_Stamp.of(w) for w in weights)
         held = self._groups.get(group[0])
