@@ -234,8 +234,9 @@ def test_env_workers_on_two_nodes_match_the_in_process_run(
 
 
 @pytest.mark.scale
+@pytest.mark.parametrize("mini_batch", [0, 2])  # 2: 3 mini-batches planned on the driver
 def test_two_rank_gloo_update_equals_the_single_process_step(
-    ray: Any, two_nodes: Any, tmp_path: Path
+    ray: Any, two_nodes: Any, tmp_path: Path, mini_batch: int
 ) -> None:
     from safetensors.torch import load_file
 
@@ -255,6 +256,7 @@ def test_two_rank_gloo_update_equals_the_single_process_step(
     settings = UpdateSettings(
         1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.01, 2, 1.0, **UPDATE_DEFAULTS
     )
+    settings = dataclasses.replace(settings, ppo_mini_batch_size=mini_batch, ppo_epochs=2)
     policy = build_policy(cfg)
     samples = mixed_batch(policy)
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
@@ -269,8 +271,9 @@ def test_two_rank_gloo_update_equals_the_single_process_step(
     finally:
         remote.close()
     assert not ray.is_initialized()
-    assert len(digests) == 2 and digests[0] == digests[1]  # the ranks took one step
+    assert len(digests) == 2 and digests[0] == digests[1]  # the ranks took the same steps
     assert (got.num_samples, got.num_tokens) == (want.num_samples, want.num_tokens)
+    assert got.optimizer_steps == want.optimizer_steps == (6 if mini_batch else 2)
     for k in ("loss", "pg_loss", "entropy", "ratio_mean", "grad_norm"):
         assert getattr(got, k) == pytest.approx(getattr(want, k), abs=1e-6), k
     after = load_file(str(tmp_path / "dp" / "model.safetensors"))

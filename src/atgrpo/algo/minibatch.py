@@ -1,16 +1,19 @@
 """Several optimizer steps per rollout batch: mini-batches of whole prompt groups, and pi_old.
 
-verl's actor update (the reference's) cuts a policy's batch into mini-batches of
-``ppo_mini_batch_size`` samples, takes one AdamW step per mini-batch and passes over the batch
+verl's actor update (the reference's) cuts a policy's batch into ceil(N / n) mini-batches of
+``ppo_mini_batch_size`` n samples, takes one AdamW step per mini-batch and passes over the batch
 ``ppo_epochs`` times, with pi_old computed once before the first step. Here a mini-batch is a
 set of whole prompt groups (the K samples of one prompt stay together, so the prefix-shared
-update keeps one prompt computation per group), and :class:`TrainerLogprobs` holds pi_old per
-sample for the steps after the first.
+update keeps one prompt computation per group), as many as verl's and as even as whole groups
+allow; under data parallelism the driver plans them once for the whole batch and deals each to
+the ranks (:func:`shards`). :class:`TrainerLogprobs` holds pi_old per sample for the steps after
+the first.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -21,27 +24,64 @@ from atgrpo.algo.prefix import prompt_groups
 from atgrpo.algo.records import Sample
 
 
-def mini_batches(samples: list[Sample], size: int, total: int, groups: int) -> list[list[Sample]]:
-    """This rank's part of each mini-batch: ``ceil(total / size)`` of them on every rank, at most
-    one per prompt group (one when ``size`` is 0); ``total`` and ``groups`` count the whole
-    batch's samples and prompt groups over the ranks.
+def mini_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
+    """The whole batch's mini-batches: ``ceil(len(samples) / size)`` of them, none empty (at most
+    one per prompt group; one, the batch as given, when ``size`` is 0 or covers the batch).
 
     Prompt groups go whole, in an order fixed by their prompts' hash (not the rollout's turn
-    order, and the same on a resumed run: no RNG is drawn), each to the first mini-batch
-    still short of its share of this rank's samples. A rank may have empty mini-batches; it
-    still takes part in each step.
+    order, and the same on a resumed run: no RNG is drawn), cut into contiguous runs whose
+    sizes come as near the even share as whole groups allow (:func:`_cuts`).
     """
-    count = 1 if size <= 0 else max(1, min(math.ceil(total / size), groups))
-    if count == 1:
+    groups = sorted(prompt_groups(samples), key=_prompt_hash)
+    count = 1 if size <= 0 else min(math.ceil(len(samples) / size), len(groups))
+    if count <= 1:
         return [samples]
-    share = math.ceil(len(samples) / count)  # this rank's samples per mini-batch
-    batches: list[list[Sample]] = [[] for _ in range(count)]
-    i = 0
-    for prompt_group in sorted(prompt_groups(samples), key=_prompt_hash):
-        while i < count - 1 and len(batches[i]) >= share:
-            i += 1
-        batches[i].extend(prompt_group)
-    return batches
+    cuts = _cuts([len(g) for g in groups], count)
+    return [[s for g in groups[a:b] for s in g] for a, b in itertools.pairwise(cuts)]
+
+
+def _cuts(sizes: list[int], count: int) -> list[int]:
+    """Group indices 0 = c_0 < c_1 < ... < c_count = len(sizes) that cut the groups into
+    ``count`` non-empty runs: c_k is the cut whose samples before it come nearest k / count of
+    the total (the lower one on a tie), each leaving a group for every run after it."""
+    ends = list(itertools.accumulate(sizes))  # ends[j]: samples in groups 0..j
+    cuts = [0]
+    for k in range(1, count):
+        target = k * ends[-1] / count
+        allowed = range(cuts[-1] + 1, len(sizes) - (count - k) + 1)
+        cuts.append(min(allowed, key=lambda c: abs(ends[c - 1] - target)))
+    return [*cuts, len(sizes)]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One data-parallel rank's part of a policy's batch: its samples of each of the whole
+    batch's mini-batches (some may be empty). The driver plans the mini-batches once
+    (:func:`shards`), so the number and content of the optimizer steps do not depend on the
+    number of ranks."""
+
+    parts: tuple[list[Sample], ...]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for part in self.parts for s in part]
+
+
+def shards(samples: list[Sample], size: int, ranks: int) -> list[Shard]:
+    """Each rank's :class:`Shard` of :func:`mini_batches` ``(samples, size)``: every mini-batch
+    dealt to the ranks (:func:`deal`), whole prompt groups when there are mini-batches
+    (``size`` > 0), single samples otherwise (one step: any split gives the same step)."""
+    dealt = [deal(batch, ranks, whole_groups=size > 0) for batch in mini_batches(samples, size)]
+    return [Shard(tuple(parts[rank] for parts in dealt)) for rank in range(ranks)]
+
+
+def deal(samples: list[Sample], ranks: int, whole_groups: bool) -> list[list[Sample]]:
+    """Balanced parts, longest first, dealt round-robin: whole prompt groups, or samples."""
+    if not whole_groups:
+        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+        return [ordered[rank::ranks] for rank in range(ranks)]
+    groups = sorted(prompt_groups(samples), key=lambda g: -sum(len(s.response_ids) for s in g))
+    return [[s for g in groups[rank::ranks] for s in g] for rank in range(ranks)]
 
 
 def _prompt_hash(prompt_group: list[Sample]) -> bytes:
@@ -56,6 +96,10 @@ class TrainerLogprobs:
     keep: bool
     by_sample: dict[int, torch.Tensor] = field(default_factory=dict)  # id(sample) -> (R_i,)
 
+    def missing(self, samples: list[Sample]) -> list[Sample]:
+        """Those of ``samples`` without a (finite) pi_old yet."""
+        return [s for s in samples if id(s) not in self.by_sample] if self.keep else []
+
     def get(self, chunk: list[Sample], device: torch.device) -> torch.Tensor | None:
         """(B, R) pi_old of ``chunk``, right-padded as its responses; None when not known yet."""
         if not self.keep or any(id(s) not in self.by_sample for s in chunk):
@@ -67,9 +111,12 @@ class TrainerLogprobs:
         return out.to(device)
 
     def record(self, chunk: list[Sample], logprobs: torch.Tensor) -> None:
-        """Keep ``logprobs`` (B, R) of ``chunk`` for later steps (the first time only)."""
+        """Keep ``logprobs`` (B, R) of ``chunk`` for later steps (the first time only); a row
+        that is not finite is left out, to be taken again before the weights move."""
         if not self.keep:
             return
         rows = logprobs.detach().float().cpu()
         for i, s in enumerate(chunk):
-            self.by_sample.setdefault(id(s), rows[i, : len(s.response_ids)].clone())
+            row = rows[i, : len(s.response_ids)]
+            if bool(torch.isfinite(row).all()):
+                self.by_sample.setdefault(id(s), row.clone())

@@ -11,15 +11,19 @@ token / sequence count as the normaliser, so the step equals one full-batch step
 zero-advantage samples out (``skip_zero_advantage``) changes neither (invariant 10).
 
 Several optimizer steps per rollout batch (``ppo_mini_batch_size``, ``ppo_epochs``;
-:mod:`atgrpo.algo.minibatch`) cut the batch into mini-batches of whole prompt groups, one step
-each, every step normalised by its own mini-batch's counts. pi_old then comes from the weights
-before the first step: the first mini-batch's from its own forward (ratio exactly 1), the
-others' from one no-gradient forward taken before that step (each group's prompt once where
-``share_prefix`` is on, through the same passes as the update's), and later epochs reuse them.
+:mod:`atgrpo.algo.minibatch`) cut the batch into ceil(samples / size) mini-batches of whole
+prompt groups, one step each, every step normalised by its own mini-batch's counts. pi_old then
+comes from the weights before the first step, for every sample, under either ``old_logprobs``:
+the first mini-batch's from its own forward (ratio exactly 1; what a non-finite micro-batch left
+out is taken before the next step), the others' from one no-gradient forward taken before that
+step (each group's prompt once where ``share_prefix`` is on, through the same passes as the
+update's), and later epochs reuse them.
 
 Data parallelism (``atgrpo.distributed``) splits a policy's samples over the ranks of its worker
-group; each rank passes its shard and its :class:`DataParallel` group, whose ``all_reduce`` sums a
-tensor over the ranks. The normalisers, the gradients and the statistics are then sums over the
+group: the driver plans the mini-batches of the whole batch and deals each to the ranks
+(:func:`shard_update`), so the steps do not depend on the number of ranks; each rank passes its
+:class:`Shard` and its :class:`DataParallel` group, whose ``all_reduce`` sums a tensor over the
+ranks. The normalisers, the gradients and the statistics are then sums over the
 whole batch, so every rank takes the step one process would take on all the samples. A sharded group
 (FSDP2, :mod:`atgrpo.distributed.sharding`) gathers weights in every forward and reduce-scatters
 gradients in every backward, so its ranks run the same number of micro-batches: a rank with fewer
@@ -50,7 +54,7 @@ from atgrpo.algo.loss import (
     token_logprobs,
     truncated_is_weights,
 )
-from atgrpo.algo.minibatch import TrainerLogprobs, mini_batches
+from atgrpo.algo.minibatch import Shard, TrainerLogprobs, mini_batches, shards
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.prefix import prompt_groups, run_prompts
 from atgrpo.algo.records import Sample
@@ -258,7 +262,7 @@ def reference_logits(policy: Policy, batch: Batch) -> torch.Tensor:
 
 def ppo_update(
     policy: Policy,
-    samples: list[Sample],
+    samples: list[Sample] | Shard,
     settings: UpdateSettings,
     group: DataParallel | None = None,
 ) -> UpdateStats:
@@ -272,42 +276,73 @@ def ppo_update(
     not step, so it follows ``train.steps``. When no sample carries signal (every advantage 0
     and no KL or entropy term) the optimizer does not step, with or without skipping, so the
     policy stays bit-identical. ``group`` (data-parallel ranks only): ``samples`` is this rank's
-    shard; counts, gradients and statistics are summed over the ranks before each step.
+    :class:`Shard` of the driver's plan (:func:`shard_update`; a plain list when the update
+    takes one mini-batch); counts, gradients and statistics are summed over the ranks before
+    each step.
     """
     try:
-        return _update(policy, samples, settings, group)
+        return _update(policy, _parts(samples, settings, group), settings, group)
     finally:
         _advance_schedule(policy)
 
 
+def shard_update(samples: list[Sample], settings: UpdateSettings, ranks: int) -> list[Shard]:
+    """The driver's plan for a data-parallel group of ``ranks``: each rank's part of every
+    mini-batch of the whole batch, so the ranks take the steps one process would take."""
+    return shards(_trained(samples, settings), settings.ppo_mini_batch_size, ranks)
+
+
+def _parts(
+    samples: list[Sample] | Shard, settings: UpdateSettings, group: DataParallel | None
+) -> list[list[Sample]]:
+    """This process's part of each mini-batch, the samples that train (:func:`_trained`)."""
+    if isinstance(samples, Shard):
+        return [_trained(part, settings) for part in samples.parts]
+    if group is not None and group.size > 1 and settings.ppo_mini_batch_size > 0:
+        raise ValueError(
+            "a data-parallel rank's mini-batches are planned on the driver for the whole batch: "
+            "pass its Shard from shard_update(samples, settings, ranks)"
+        )
+    return mini_batches(_trained(samples, settings), settings.ppo_mini_batch_size)
+
+
+def _trained(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
+    """The samples the update sees: a masked cut response is a zero loss mask, out of the loss,
+    the normalisers, the skipped and the computed samples alike, as an empty response is."""
+    return [s for s in samples if s.response_ids and not _masked(s, settings)]
+
+
 def _update(
-    policy: Policy, samples: list[Sample], settings: UpdateSettings, group: DataParallel | None
+    policy: Policy, parts: list[list[Sample]], settings: UpdateSettings, group: DataParallel | None
 ) -> UpdateStats:
+    samples = [s for part in parts for s in part]
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
         raise ValueError(f"policy {policy.policy_id!r} got samples of policies {sorted(foreign)}")
-    # A masked cut response is a zero loss mask: out of the loss, the normalisers, the skipped
-    # and the computed samples alike, on every rank, as an empty response is.
-    samples = [s for s in samples if s.response_ids and not _masked(s, settings)]
     counts = _counts(samples, settings, group)
     if not counts.signal:
         return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
     policy.activate()
     policy.model.train()
-    batches = mini_batches(samples, settings.ppo_mini_batch_size, counts.seqs, counts.groups)
-    olds = TrainerLogprobs(keep=len(batches) * settings.ppo_epochs > 1)
-    if olds.keep and settings.old_logprobs is OldLogprobs.TRAINER:
-        # pi_old of every later mini-batch, before the first step changes the weights; the
-        # first mini-batch's comes from its own forward (ratio exactly 1 there).
-        later = [s for batch in batches[1:] for s in _computed(batch, settings)]
+    olds = TrainerLogprobs(keep=len(parts) * settings.ppo_epochs > 1)
+    if olds.keep:
+        # pi_old of every later mini-batch before the first step changes the weights (also
+        # under old_logprobs: rollout, where it is the sampler gap's and TIS's trainer side);
+        # the first mini-batch's comes from its own forward (ratio exactly 1 there).
+        later = [s for part in parts[1:] for s in _computed(part, settings)]
         _record_old_logprobs(policy, later, settings, olds, group)
-    steps = [
-        # One mini-batch is the whole batch: its counts (and their all-reduce) are known.
-        _optimizer_step(policy, batch, settings, group, olds, counts if len(batches) == 1 else None)
-        for _ in range(settings.ppo_epochs)
-        for batch in batches
-    ]
-    return steps[0] if len(steps) == 1 else _summary(steps, counts, len(batches))
+    steps: list[UpdateStats] = []
+    for _ in range(settings.ppo_epochs):
+        for part in parts:
+            # One mini-batch is the whole batch: its counts (and their all-reduce) are known.
+            known = counts if len(parts) == 1 else None
+            steps.append(_optimizer_step(policy, part, settings, group, olds, known))
+            if len(steps) == 1 and olds.keep:
+                # The first step stopped at a non-finite micro-batch, or had no signal: the
+                # weights have not moved, so the rest of its mini-batch's pi_old is taken now.
+                missing = olds.missing(_computed(parts[0], settings))
+                _record_old_logprobs(policy, missing, settings, olds, group)
+    return steps[0] if len(steps) == 1 else _summary(steps, counts, len(parts))
 
 
 @dataclass(frozen=True)
@@ -317,7 +352,6 @@ class _Counts:
     seqs: int  # every response (all ranks): the seq-mean normaliser
     signal: bool  # the loss has a gradient (a non-zero advantage, or a KL / entropy term)
     computed: int  # samples with a forward and backward
-    groups: int  # prompt groups (identical prompts), summed over the ranks
 
 
 def _counts(samples: list[Sample], settings: UpdateSettings, group: DataParallel | None) -> _Counts:
@@ -334,15 +368,14 @@ def _counts(samples: list[Sample], settings: UpdateSettings, group: DataParallel
             len(samples),
             _has_signal(samples, settings),
             len(_computed(samples, settings)),
-            len({tuple(s.prompt_ids) for s in samples}),
             *(sum(len(s.response_ids) for s in samples if s.agent_id == a) for a in agents),
         ]
     )
     if group is not None:  # settings.agents: the same layout on every rank
         group.all_reduce(counts)
-    tokens, seqs, signal, computed, groups = (int(c) for c in counts[:5])
-    per_agent = dict(zip(agents, (int(c) for c in counts[5:]), strict=True))
-    return _Counts(per_agent, tokens, seqs, bool(signal), computed, groups)
+    tokens, seqs, signal, computed = (int(c) for c in counts[:4])
+    per_agent = dict(zip(agents, (int(c) for c in counts[4:]), strict=True))
+    return _Counts(per_agent, tokens, seqs, bool(signal), computed)
 
 
 def _optimizer_step(

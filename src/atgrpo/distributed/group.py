@@ -26,9 +26,8 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from atgrpo.algo.prefix import prompt_groups
 from atgrpo.algo.records import Sample
-from atgrpo.algo.update import UpdateSettings, UpdateStats
+from atgrpo.algo.update import UpdateSettings, UpdateStats, shard_update
 from atgrpo.config import Config, Sharding, WorkerGroupConfig
 from atgrpo.distributed.cluster import RayConnection, get_all, worker_env_vars
 from atgrpo.distributed.layout import group_resources, worker_config, worker_groups
@@ -100,17 +99,6 @@ def _contiguous(items: list[Any], parts: int) -> list[list[Any]]:
     return [items[i * size : (i + 1) * size] for i in range(parts)]
 
 
-def _shards(samples: list[Sample], ranks: int, whole_groups: bool) -> list[list[Sample]]:
-    """Balanced shards, sorted by length and dealt round-robin: samples one by one (any split
-    gives the same single step), or whole prompt groups when the update takes several steps, so
-    that each mini-batch holds whole groups and the ranks count the groups exactly."""
-    if not whole_groups:
-        ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
-        return [ordered[rank::ranks] for rank in range(ranks)]
-    groups = sorted(prompt_groups(samples), key=lambda g: -sum(len(s.response_ids) for s in g))
-    return [[s for g in groups[rank::ranks] for s in g] for rank in range(ranks)]
-
-
 class RemoteGenerator:
     """One policy's rollout engine in its worker group (a :class:`Generator`)."""
 
@@ -145,7 +133,8 @@ class RemoteLearner:
 
     def update(self, samples: list[Sample], settings: UpdateSettings) -> Future[UpdateStats]:
         workers = self.group.workers
-        shards = _shards(samples, len(workers), whole_groups=settings.ppo_mini_batch_size > 0)
+        # The mini-batches are planned here, once for the whole batch, and dealt to the ranks.
+        shards = shard_update(samples, settings, len(workers))
         rng = torch.get_rng_state()
         refs = [
             worker.update.remote(self.policy_id, shard, settings, rng)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from atgrpo import checkpoint as ckpt
-from atgrpo.algo.records import Sample
+from atgrpo.algo.minibatch import Shard
 from atgrpo.algo.update import DataParallel, UpdateSettings, UpdateStats, ppo_update
 from atgrpo.config import Config
 from atgrpo.distributed import sharding
@@ -134,11 +134,12 @@ class PolicyWorker:
     def update(
         self,
         policy_id: str,
-        samples: list[Sample],
+        samples: Shard,
         settings: UpdateSettings,
         rng_state: torch.Tensor,
     ) -> UpdateStats:
-        """One PPO step on this rank's shard (the whole batch when the group has one rank)."""
+        """One PPO step on this rank's shard of the driver's mini-batches (the whole batch when
+        the group has one rank)."""
         torch.set_rng_state(rng_state)  # dropout, if any, draws as the driver's process would
         return ppo_update(self.policies[policy_id], samples, settings, self.group)
 
