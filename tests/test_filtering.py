@@ -27,7 +27,7 @@ from atgrpo.envs import Split, split_seeds
 from atgrpo.generation import HFGenerator, SamplingParams
 from atgrpo.policies import build_policy
 from atgrpo.training.batch import REFILL_OFFSET, refill_seeds
-from atgrpo.training.settings import filter_settings
+from atgrpo.training.settings import advantage_settings, filter_settings
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS, adv_settings
 
@@ -309,7 +309,7 @@ def test_a_filtered_run_logs_its_metrics(tmp_path: Path) -> None:
         assert record["rollout/refills"] == 1.0
     sampled = record["rollout/samples"] * (1 + record["rollout/refills"])
     assert record["loss/num_samples"] <= sampled - record["rollout/filtered_samples"]
-    assert 0.0 <= record["rollout/kept_tasks"] <= 2 * (1 + record["rollout/refills"])
+    assert 0.0 <= record["rollout/kept_tasks"] <= 2  # at most B, refills included
 
 
 def test_a_resumed_run_refills_as_the_uninterrupted_one(tmp_path: Path) -> None:
@@ -329,3 +329,47 @@ def test_a_resumed_run_refills_as_the_uninterrupted_one(tmp_path: Path) -> None:
     want = load_file(str(straight.checkpoint / "policy-shared" / "model.safetensors"))
     got = load_file(str(resumed.checkpoint / "policy-shared" / "model.safetensors"))
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_agent_scoped_std_is_over_the_kept_groups(tmp_path: Path) -> None:
+    """lowest_mean 0.5 over 4 groups of one agent drops the two lowest; the kept groups'
+    advantages divide by the std of the kept rewards alone, as if the dropped were never
+    sampled (the batch the update sees)."""
+    from atgrpo.algo.records import Rollout
+    from atgrpo.training.batch import filtered_batch
+
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "algo.adv_std_scope=agent",
+                             "algo.filter=lowest_mean", "algo.filter_ratio=0.5"])  # fmt: skip
+    rewards = {(0, "a", 0): [0.0, 0.1], (1, "a", 0): [0.0, 0.2], (2, "a", 0): [0.0, 1.0],
+               (3, "a", 0): [1.0, 3.0]}  # fmt: skip
+    batch = filtered_batch(cfg, Rollout(groups(rewards), []))
+    assert {s.task_id for s in batch.samples} == {2, 3}
+    alone = groups({k: v for k, v in rewards.items() if k[0] >= 2})
+    assign_advantages(alone, advantage_settings(cfg))
+    assert [s.advantage for s in batch.samples] == pytest.approx([s.advantage for s in alone])
+    # Over all four groups' rewards the std is smaller: the kept advantages would be larger.
+    every = groups(rewards)
+    assign_advantages(every, advantage_settings(cfg))
+    assert abs(every[-1].advantage) > abs(batch.samples[-1].advantage) + 0.1
+
+
+def test_a_refill_adds_only_the_tasks_the_batch_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B = 4 and one regular task kept a group; a refill whose 4 tasks all keep theirs adds 3
+    (the lowest task ids), so the step trains on B tasks, as DAPO truncates its batch."""
+    from types import SimpleNamespace
+
+    from atgrpo.algo.records import Rollout
+    from atgrpo.training import batch as batch_module
+
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path}", "rollout.num_tasks=4",
+                             "algo.filter=zero_variance", "algo.filter_refill=2"])  # fmt: skip
+    regular = groups({(t, "a", 0): [0.0, 1.0] if t == 0 else [0.5, 0.5] for t in range(4)})
+    fresh = groups({(t, "a", 0): [0.0, 1.0 + t] for t in range(4)})
+    monkeypatch.setattr(batch_module, "collect_tasks", lambda rt, seeds: (Rollout(fresh, []), []))
+    batch = batch_module.filtered_batch(cfg, Rollout(regular, []))
+    assert batch.kept_tasks() == 1
+    batch_module.refill(SimpleNamespace(cfg=cfg), 1, batch)  # type: ignore[arg-type]
+    assert batch.refills == 1 and batch.kept_tasks() == 4
+    assert sorted({s.task_id for s in batch.samples}) == [0, 4, 5, 6]  # refill tasks 4..7

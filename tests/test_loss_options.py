@@ -127,3 +127,16 @@ def test_the_config_carries_the_options_to_the_update(tmp_path: Path) -> None:
     assert settings.agents == ("tool", "planner")
     with pytest.raises(ConfigError, match=r"algo\.dual_clip"):
         load_config(TINY, [f"run.output_dir={tmp_path}", "algo.dual_clip=0.5"])
+
+
+def test_gspo_aggregates_by_sequence_unless_told_otherwise(tmp_path: Path) -> None:
+    """GSPO's objective is a mean over responses (verl's gspo loss forces seq-mean): under
+    ratio_level sequence an unset aggregation is seq_mean; one the user sets stays."""
+    out = f"run.output_dir={tmp_path}"
+    gspo = load_config(TINY, [out, "algo.ratio_level=sequence"]).algo
+    assert gspo.loss_aggregation is LossAggregation.SEQ_MEAN
+    told = load_config(TINY, [out, "algo.ratio_level=sequence", "algo.loss_aggregation=token_mean"])
+    assert told.algo.loss_aggregation is LossAggregation.TOKEN_MEAN
+    assert load_config(TINY, [out]).algo.loss_aggregation is LossAggregation.TOKEN_MEAN
+    again = type(told).model_validate(told.model_dump())  # a run folder's config, read back
+    assert again.algo.loss_aggregation is LossAggregation.TOKEN_MEAN

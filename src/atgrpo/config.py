@@ -417,17 +417,18 @@ class AlgoConfig(_Section):
         RatioLevel.TOKEN,
         description=(
             "token: a PPO ratio per token; sequence: GSPO, one ratio per response, exp of its "
-            "tokens' mean log-ratio, clipped as a whole (GSPO clips at about 3e-4 / 4e-4, and "
-            "aggregates with seq_mean)."
+            "tokens' mean log-ratio, clipped as a whole (GSPO clips at about 3e-4 / 4e-4), and "
+            "then algo.loss_aggregation is seq_mean unless set."
         ),
     )
     loss_aggregation: LossAggregation = Field(
         LossAggregation.TOKEN_MEAN,
         description=(
-            "token_mean: every token of the batch weighs the same; seq_mean: every response; "
-            "constant: token sums / (responses x algo.loss_norm_tokens), no length "
-            "normalisation (Dr. GRPO); agent_token_mean: each agent's tokens weigh as one share "
-            "(a policy shared by agents with short and long answers)."
+            "token_mean: every token of the batch weighs the same; seq_mean: every response "
+            "(the default under ratio_level sequence, as GSPO and verl); constant: token sums / "
+            "(responses x algo.loss_norm_tokens), no length normalisation (Dr. GRPO); "
+            "agent_token_mean: each agent's tokens weigh as one share (a policy shared by "
+            "agents with short and long answers)."
         ),
     )
     loss_norm_tokens: int = Field(
@@ -504,6 +505,17 @@ class AlgoConfig(_Section):
         ),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_aggregates_by_sequence(cls, data: Any) -> Any:
+        """GSPO's objective is a mean over responses (verl's gspo loss forces it): under
+        ratio_level sequence an unset loss_aggregation is seq_mean."""
+        if not isinstance(data, dict) or "loss_aggregation" in data:
+            return data
+        if str(data.get("ratio_level", "")) == RatioLevel.SEQUENCE.value:
+            return {**data, "loss_aggregation": LossAggregation.SEQ_MEAN.value}
+        return data
+
     @model_validator(mode="after")
     def _dual_clip_above_one(self) -> AlgoConfig:
         if 0.0 < self.dual_clip <= 1.0:
@@ -549,9 +561,10 @@ class TrainConfig(_Section):
         ge=0,
         description=(
             "Samples per optimizer step (verl's ppo_mini_batch_size): each policy's batch is cut "
-            "into ceil(samples / this) mini-batches of whole prompt groups, one AdamW step each, "
-            "pi_old computed once before the first. 0: the whole batch, one step (the reference "
-            "uses 16)."
+            "into ceil(samples / this) mini-batches (at most one per prompt group) of whole "
+            "prompt groups, as even as whole groups allow and the same for any number of "
+            "data-parallel ranks, one AdamW step each, pi_old computed once before the first. "
+            "0: the whole batch, one step (the reference uses 16)."
         ),
     )
     ppo_epochs: int = Field(

@@ -3,16 +3,16 @@
 ``filtered_batch`` assigns the advantages of the step's B regular tasks and drops the groups
 ``algo.filter`` rejects (:mod:`atgrpo.algo.filtering`). ``refill`` then, when fewer than B tasks
 kept a group and ``algo.filter_refill`` allows, rolls out B fresh train tasks at a time and adds
-their kept groups, so a step whose tasks mostly carry no signal still trains on some
-(docs/algorithm.md, "Group filtering"). The loop (:mod:`atgrpo.training.loop`) times the two
-apart: filtering counts as update time, refill rollouts as rollout time.
+their kept groups, up to B tasks in all, so a step whose tasks mostly carry no signal still
+trains on some (docs/algorithm.md, "Group filtering"). The loop (:mod:`atgrpo.training.loop`)
+times the two apart: filtering counts as update time, refill rollouts as rollout time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from atgrpo.algo.advantage import AdvantageStats, Grouping, assign_advantages
+from atgrpo.algo.advantage import AdvantageStats, Grouping, StdScope, assign_advantages
 from atgrpo.algo.filtering import FilterStats, GroupFilter, filter_groups
 from atgrpo.algo.records import Rollout, Sample
 from atgrpo.algo.rollout import collect_rollout
@@ -119,15 +119,32 @@ class TrainingBatch:
 
 def filtered_batch(cfg: Config, rollout: Rollout) -> TrainingBatch:
     """Advantages of the step's regular rollout, then its groups that ``algo.filter`` keeps."""
-    adv = advantages(cfg, rollout.samples)
+    adv = advantages(cfg, rollout.samples)  # every sampled group's: the step's statistics
     kept, stats = filter_groups(rollout.samples, filter_settings(cfg))
+    _renormalise(cfg, kept, rollout.samples)
     on = cfg.algo.filter is not GroupFilter.NONE
     return TrainingBatch(kept, adv, stats, filtering=on, rollouts=[rollout])
 
 
+def _renormalise(cfg: Config, kept: list[Sample], sampled: list[Sample]) -> None:
+    """Under ``algo.adv_std_scope: agent`` the std is taken again over the kept groups, the batch
+    the update sees (as "Tricks or Traps" normalises); a group-scoped advantage is its own
+    group's alone and stays."""
+    if cfg.algo.adv_std_scope is StdScope.AGENT and len(kept) < len(sampled):
+        advantages(cfg, kept)
+
+
+def _first_tasks(samples: list[Sample], tasks: int) -> list[Sample]:
+    """The samples of the ``tasks`` lowest task ids among them (DAPO aligns its batch so)."""
+    chosen = set(sorted({s.task_id for s in samples})[:tasks])
+    return [s for s in samples if s.task_id in chosen]
+
+
 def refill(rt: Runtime, step: int, batch: TrainingBatch) -> None:
     """Add refill rollouts' kept groups to ``batch`` until B tasks kept a group, at most
-    ``algo.filter_refill`` rollouts of B fresh tasks (:func:`refill_seeds`).
+    ``algo.filter_refill`` rollouts of B fresh tasks (:func:`refill_seeds`); of a refill's
+    tasks that keep a group only as many as B still lacks are added, the lowest task ids first
+    (DAPO truncates its batch to B the same way), so a step trains on at most B tasks.
 
     A refill's tasks are numbered after the regular ones (round j: task ids j B .. j B + B - 1),
     so its group keys are its own; its advantages and its filter (a ratio rule's share) are
@@ -144,6 +161,8 @@ def refill(rt: Runtime, step: int, batch: TrainingBatch) -> None:
         _renumber(extra, round_idx * b)
         advantages(cfg, extra.samples)
         kept, stats = filter_groups(extra.samples, settings)
+        kept = _first_tasks(kept, b - batch.kept_tasks())
+        _renormalise(cfg, kept, extra.samples)
         batch.samples.extend(kept)
         batch.filtered += stats
         batch.rollouts.append(extra)
