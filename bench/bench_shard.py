@@ -43,8 +43,9 @@ sys.path.insert(0, str(REPO / "src"))
 
 from atgrpo.algo.loss import LossAggregation, OldLogprobs  # noqa: E402
 from atgrpo.algo.records import Sample  # noqa: E402
-from atgrpo.algo.update import DataParallel, UpdateSettings, ppo_update  # noqa: E402
+from atgrpo.algo.update import UpdateSettings, ppo_update  # noqa: E402
 from atgrpo.config import load_config  # noqa: E402
+from atgrpo.distributed.process_group import join_process_group  # noqa: E402
 from atgrpo.distributed.sharding import shard_policies, shard_sizes  # noqa: E402
 from atgrpo.policies import build_policies, with_params  # noqa: E402
 
@@ -95,8 +96,7 @@ def _rank(rank: int, args: argparse.Namespace, address: str, out: str) -> None:
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # atgrpo.models picks CUDA where it sees one
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=args.ranks)
+    group = join_process_group(address, rank, args.ranks, device, sharded=args.mode == "shard")
     overrides = [f"model.path={args.model}", *args.set]
     cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
     torch.manual_seed(0)
@@ -105,13 +105,6 @@ def _rank(rank: int, args: argparse.Namespace, address: str, out: str) -> None:
     if args.mode == "shard":
         shards = shard_policies({"shared": policy}, functools.partial(with_params, cfg), args.ranks)
         policy = shards["shared"].policy
-
-    def all_reduce(tensor: torch.Tensor) -> None:
-        moved = tensor.to(device)
-        dist.all_reduce(moved)
-        tensor.copy_(moved)
-
-    group = DataParallel(all_reduce, rank, args.ranks, sharded=shards is not None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the steps' peak, not the loading's
     samples = _batch(args, policy.tokenizer.vocab_size)[rank :: args.ranks]

@@ -33,6 +33,7 @@ from atgrpo.algo.minibatch import Shard
 from atgrpo.algo.update import DataParallel, UpdateSettings, UpdateStats, ppo_update
 from atgrpo.config import Config
 from atgrpo.distributed import sharding
+from atgrpo.distributed.process_group import join_process_group
 from atgrpo.generation import Generation, SamplingParams
 from atgrpo.policies import build_generators, build_policies, with_params
 
@@ -77,21 +78,9 @@ class PolicyWorker:
 
     def join(self, init_method: str) -> None:
         """Join the group's process group; every rank starts from rank 0's trainable weights."""
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=init_method, rank=self.rank, world_size=self.world_size
+        self.group = join_process_group(  # gloo for CPU tensors, NCCL for CUDA ones
+            init_method, self.rank, self.world_size, self.device, self.sharded
         )
-        device = self.device
-
-        def all_reduce(tensor: torch.Tensor) -> None:
-            if tensor.device == device:
-                dist.all_reduce(tensor)
-                return
-            moved = tensor.to(device)  # nccl reduces CUDA tensors only
-            dist.all_reduce(moved)
-            tensor.copy_(moved)
-
-        self.group = DataParallel(all_reduce, self.rank, self.world_size, self.sharded)
         with torch.no_grad():
             for policy in self.policies.values():
                 for param in policy.params:
