@@ -136,11 +136,13 @@ $(VENV)/.ray: $(VENV)/.test
 test-scale: $(VENV)/.ray
 	@$(VENV)/bin/pytest -q -m scale; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
 
-# The GPU check (bench/gpu_check.py: a Qwen3-1.7B-shaped model, shared policy, resume, two LoRA
-# roles, one FSDP2 rank, in minutes). `make gpu-wheels` downloads the wheels a bare CUDA machine
-# with Python 3.12, torch and transformers lacks into bench/gpu-wheels/ (about 6 MB, ignored by
-# git: carry it with the checkout); there `bash bench/gpu_check.sh --device cuda` installs them
-# and runs the check. `make gpu-check` runs it here on the CPU path (the tiny model).
+# The GPU check (bench/gpu_check.py: Qwen3-1.7B-shaped models; shared policy, resume, two LoRA
+# roles, one FSDP2 rank, and one step at the GPU configs' shapes; each phase must take an
+# optimizer step and move the weights; estimated under 8 minutes on one H100). `make gpu-wheels`
+# downloads the wheels a bare CUDA machine with Python 3.12, torch and transformers lacks into
+# bench/gpu-wheels/ (about 6 MB, ignored by git: carry it with the checkout); there `bash
+# bench/gpu_check.sh --device cuda --json OUT.json` installs them and runs the check. `make
+# gpu-check` runs it here on the CPU path (the tiny model, the same assertions).
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
 	peft==0.21.2 accelerate==1.15.0 psutil==7.2.2 rich==15.0.0 markdown-it-py mdurl pygments
 .PHONY: gpu-wheels gpu-check

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check on a bare CUDA machine (torch and transformers installed, no network): installs
 # the wheels `make gpu-wheels` put in bench/gpu-wheels/ (when a package is missing), then runs
-# bench/gpu_check.py from the checkout. Arguments go to gpu_check.py (--device, --json).
+# bench/gpu_check.py from the checkout. Arguments go to gpu_check.py (--device, --json, --tmp,
+# --phases, --set; its docstring says what each phase must show and what it reports).
 #   bash bench/gpu_check.sh --device cuda --json "$OUT/gpu_check.json"
 set -euo pipefail
 cd "$(dirname "$0")/.."
