@@ -23,8 +23,8 @@ bf16 on the GPU: 28 layers, hidden 2048, GQA with 16 query and 8 key/value heads
 **Phases.**
 
 1. ``shared``: 3 steps of one shared policy (tool agent and planner on Plan-Path,
-   configs/tiny.yaml). It uses the HF rollout engine and the prefix-shared update, and writes a
-   full checkpoint (weights, AdamW state, RNG).
+   configs/tiny.yaml, at most 32 new tokens a response). It uses the HF rollout engine and the
+   prefix-shared update, and writes a full checkpoint (weights, AdamW state, RNG).
 2. ``resume``: that run resumed from its checkpoint for a 4th step. Its final checkpoint holds
    the weights alone.
 3. ``lora``: 3 steps of two LoRA roles on one base (L2, configs/tiny-lora.yaml).
@@ -94,21 +94,23 @@ On CPU the tiny model lives in atgrpo's cache, and its checkpoints take a few MB
 
 **Time on one H100.** This is an estimate: no GPU has run this version.
 
-| step | estimate |
-|---|---|
-| start and CUDA init | 15 s |
-| build (6.3 GB written) | 20 s |
-| shared: fp32 load 15 s, 3 steps 25 s, a 17 GB checkpoint written and hashed 45 s | 85 s |
-| resume: load 15 s, checkpoint read and verified 25 s, 1 step 8 s, final checkpoint 45 s | 95 s |
-| lora | 40 s |
-| sharded: load and shard 20 s, update 5 s, sharded checkpoint (23 GB) and restore 40 s | 65 s |
-| scale: load 15 s, 128 x 512 tokens generated 30-60 s, update 10 s | 55-85 s |
-| total | about 6.5-7 min, under 8 |
+* start and CUDA init: 15 s;
+* build (6.3 GB written): 20 s;
+* shared, 90 s: fp32 load 15 s, 3 steps 25 s, a 17 GB checkpoint written and hashed 45 s,
+  2 weight digests 6 s;
+* resume, 100 s: load 15 s, checkpoint read and verified 25 s, 1 step 8 s, final checkpoint
+  45 s, 2 digests 6 s;
+* lora: 40 s;
+* sharded, 70 s: load and shard 20 s, update 5 s, a 5.6 GB CPU copy 3 s, a 23 GB sharded
+  checkpoint saved and restored 40 s;
+* scale, 60-90 s: load 15 s, 128 x 512 tokens generated 30-60 s, update 10 s, a CPU copy 3 s;
+* total: about 7 minutes, under 8.
 
 **CPU path.** With ``--device cpu`` the same phases run on the tiny random Llama, whose
-vocabulary is the tokenizer's. The scale phase runs at 8 prompts of 64 tokens and 16 new tokens.
-The whole run takes about 30 s and makes the same assertions (tests/test_gpu_check.py, ``make
-gpu-check``), so the script cannot rot between GPU loans.
+vocabulary is the tokenizer's. The training phases sample at most 16 new tokens (32 on CUDA), and
+the scale phase runs at 8 prompts of 64 tokens and 16 new tokens.
+It makes the same assertions (tests/test_gpu_check.py, ``make gpu-check``), so the script
+cannot rot between GPU loans; docs/results.md has its times.
 
 **Options.**
 
@@ -150,6 +152,7 @@ PHASES = ("shared", "resume", "lora", "sharded", "scale")
 GPU_CONFIG = REPO / "configs" / "gpu" / "qwen3-1.7b-plan_path-mas.yaml"  # the scale phase's shapes
 # Each training step has a gradient even where every branch ties (the module docstring).
 TRAINING = ("algo.entropy_coef=1e-3",)
+NEW_TOKENS = {"cuda": 32, "cpu": 16}  # the training phases' cap: they test paths, not lengths
 # Qwen3-1.7B's shape (its config.json) less the vocabulary, randomly initialised.
 QWEN3_1_7B: dict[str, Any] = {
     "hidden_size": 2048,
@@ -436,9 +439,10 @@ def load(base: Path, model: Path, device: str, out: Path, *overrides: str) -> Co
 def training_config(
     base: str, model: Path, device: str, out: Path, *overrides: str, user: Sequence[str] = ()
 ) -> Config:
-    """A training phase's config: ``base`` at 32 new tokens, 3 steps, one full checkpoint at
-    the end; the user's ``--set`` last."""
-    short = ("rollout.max_new_tokens=32", "rollout.max_prompt_tokens=2048", "train.steps=3")
+    """A training phase's config: ``base`` at NEW_TOKENS[device], 3 steps, one full checkpoint
+    at the end; the user's ``--set`` last."""
+    new_tokens = f"rollout.max_new_tokens={NEW_TOKENS[device]}"
+    short = (new_tokens, "rollout.max_prompt_tokens=2048", "train.steps=3")
     keep = ("checkpoint.every=3", "checkpoint.keep=1")
     everything = (*short, *keep, *TRAINING, *overrides, *user)
     return load(REPO / "configs" / base, model, device, out, *everything)
