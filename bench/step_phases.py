@@ -61,7 +61,7 @@ def instrument() -> None:
     import atgrpo.models as models
 
     timed(update, "run_prompts", "update: prompts forward")
-    timed(prefix, "response_logits_on_prompts", "update: responses forward")
+    timed(prefix, "response_states_on_prompts", "update: responses forward")
     timed(update, "_loss", "update: loss")
     timed(update, "_backward", "update: responses backward")
     timed(prefix.SharedPrompts, "backward", "update: prompts backward")

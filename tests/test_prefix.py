@@ -15,7 +15,7 @@ from atgrpo.algo.prefix import (
     PackPlan,
     pack_responses,
     prompt_groups,
-    response_logits_on_prompts,
+    response_states_on_prompts,
     run_prompts,
 )
 from atgrpo.algo.records import Sample
@@ -127,7 +127,7 @@ def test_the_prompts_of_a_micro_batch_run_in_one_forward(tmp_path: Path) -> None
 def test_packed_responses_layout(tmp_path: Path) -> None:
     """Two prompts' responses packed: each prompt's responses back to back in its own row, with
     positions after the prompt, a mask of the prompt and the same response's earlier tokens, and
-    an index that puts each logit back at its response token."""
+    an index that puts each state back at its response token."""
     policy = _policy(tmp_path, "tiny.yaml")
     prompts = run_prompts(policy.model, [[5, 6, 7], [8, 9]], 0, None)
     rows = torch.tensor([0, 1, 0])
@@ -142,7 +142,7 @@ def test_packed_responses_layout(tmp_path: Path) -> None:
         [[True, False], [True, True]],
         [[True, False], [False, False]],  # the padding query sees no response token
     ]
-    # the table: 2 prompts' last logits, then the 2 x 2 packed positions, then a zero row (6)
+    # the table: 2 prompts' last states, then the 2 x 2 packed positions, then a zero row (6)
     assert layout.index.tolist() == [[0, 2, 3], [1, 4, 6], [0, 6, 6]]
 
 
@@ -158,11 +158,11 @@ def test_packing_is_taken_only_where_it_runs_fewer_positions(tmp_path: Path) -> 
     )
     try:
         for rows in ([0, 0, 0, 1], [0, 0, 1, 1]):  # 18 against 12; 12 against 12
-            response_logits_on_prompts(
+            response_states_on_prompts(
                 policy.model, prompts, torch.tensor(rows), ids, torch.ones_like(ids), None
             )
         lengths = torch.tensor([[1, 1, 1], [1, 0, 0]])  # 2 + 0 inputs: 2 packed against 4
-        response_logits_on_prompts(
+        response_states_on_prompts(
             policy.model, prompts, torch.tensor([0, 0]), ids[:2, :3], lengths, None
         )
     finally:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from atgrpo.algo.advantage import AdvantageScale, Grouping, StdKind, StdScope
 from atgrpo.algo.filtering import GroupFilter
-from atgrpo.algo.loss import LossAggregation, OldLogprobs, RatioLevel
+from atgrpo.algo.loss import LOGPROB_CHUNK_TOKENS, LossAggregation, OldLogprobs, RatioLevel
 from atgrpo.algo.truncation import Truncation
 from atgrpo.envs import BUILTIN_ENVS, EnvConfig, EnvSpecError, PlanPathConfig
 from atgrpo.envs.registry import PLUGIN_TAG, env_tag
@@ -594,6 +594,16 @@ class TrainConfig(_Section):
     )
     grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
+    logprob_chunk_tokens: int = Field(
+        LOGPROB_CHUNK_TOKENS,
+        ge=1,
+        description=(
+            "Rows x positions of logits at a time in the update: the model returns its final "
+            "hidden states and the output layer turns them into log-probs (and entropy) in "
+            "chunks of this many tokens, recomputed in backward, so no (micro-batch x response "
+            "x vocabulary) tensor exists at once; a micro-batch within it runs as one chunk."
+        ),
+    )
     share_prefix: bool = Field(
         True,
         description=(

@@ -87,6 +87,11 @@ class LossOutput(NamedTuple):
     ratio_max: torch.Tensor = torch.tensor(1.0)  # () largest
 
 
+# Rows x positions of logits per chunk (train.logprob_chunk_tokens): 1,024 x V fp32 is 0.2 GB
+# at SmolLM2's 49,152 and 0.6 GB at Qwen3's 151,936; a CPU micro-batch of short answers is one
+# chunk, run as before (no recomputation).
+LOGPROB_CHUNK_TOKENS = 1024
+
 # A temperature for every row alike, or one per row as a (B, 1, 1) float32 tensor (agents
 # sampled at their own temperatures share a micro-batch).
 Temperature = float | torch.Tensor

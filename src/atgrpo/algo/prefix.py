@@ -6,9 +6,9 @@ answer); sharing it costs prompt + K x answer:
 
 1. :func:`run_prompts`: one forward with gradients and ``use_cache`` of up to a micro-batch of
    distinct prompts (D, P), left-padded as the unshared rows are. Their per-layer keys / values
-   and last position's logits (which predict each first response token) are kept, and
-   detached copies of them become leaves that collect gradients.
-2. :func:`response_logits_on_prompts`: a micro-batch of responses (m, R), from one group or
+   and last position's final hidden state (which predicts each first response token) are kept,
+   and detached copies of them become leaves that collect gradients.
+2. :func:`response_states_on_prompts`: a micro-batch of responses (m, R), from one group or
    several, runs on top of its prompts' leaves, with the position ids the unshared layout
    gives them (P_i, P_i + 1, ...): packed (:func:`pack_responses`: each prompt's responses back
    to back in one row over that prompt's cache, no position padding) where the attention reads
@@ -20,6 +20,8 @@ answer); sharing it costs prompt + K x answer:
    parameter gradient flows through one prompt computation (one pass over the weights'
    gradients for the whole prompt batch, not one per group).
 
+Both return final hidden states, not logits (the forwards run inside
+:func:`atgrpo.algo.scores.final_states`): the update applies the output layer a chunk at a time.
 The loss and every gradient equal the unshared computation's up to float rounding
 (``tests/test_prefix.py``); docs/algorithm.md, "Loss", and invariant 10 of docs/design.md.
 """
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from atgrpo.algo.records import Sample
+from atgrpo.algo.scores import final_states
 from atgrpo.attention import ATTENTION
 from atgrpo.generation.hf import cache_kwarg, unwrapped
 from atgrpo.models import autocast_for
@@ -53,15 +56,15 @@ def prompt_groups(samples: list[Sample]) -> list[list[Sample]]:
 @dataclass
 class SharedPrompts:
     """A batch of distinct prompts' forward, left-padded to one width: their cache and last
-    logits, and leaf copies of them that collect the responses' gradients."""
+    final hidden states, and leaf copies of them that collect the responses' gradients."""
 
     mask: torch.Tensor  # (D, P) 1 on each prompt's tokens (left padding)
     lengths: torch.Tensor  # (D,) each prompt's length
-    outputs: list[torch.Tensor]  # the prompts graph's keys / values per layer, then last logits
+    outputs: list[torch.Tensor]  # the prompts graph's keys / values per layer, then last states
     leaves: list[torch.Tensor]  # detached copies of ``outputs`` that require grad
 
-    def last_logits(self, rows: torch.Tensor) -> torch.Tensor:  # (m, 1, V)
-        """The logits that predict the first response token of each of ``rows``' prompts."""
+    def last_states(self, rows: torch.Tensor) -> torch.Tensor:  # (m, 1, H)
+        """The states that predict the first response token of each of ``rows``' prompts."""
         return _rows(self.leaves[-1], rows, _only_row(rows))
 
     def layers(self, rows: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,7 +100,8 @@ def run_prompts(
     model: Any, prompts: list[list[int]], pad_id: int, autocast_dtype: torch.dtype | None
 ) -> SharedPrompts:
     """One forward with gradients of distinct prompts, left-padded as the unshared rows are, with
-    the positions of their own tokens: cache and last logits, as leaves for the responses."""
+    the positions of their own tokens: cache and last final hidden states, as leaves for the
+    responses."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -107,7 +111,7 @@ def run_prompts(
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # (D, P)
-    with autocast_for(model, autocast_dtype):
+    with final_states(model), autocast_for(model, autocast_dtype):
         out = model(
             input_ids=ids,
             attention_mask=mask,
@@ -116,7 +120,7 @@ def run_prompts(
             logits_to_keep=1,
         )
     outputs = _cache_tensors(getattr(out, "cache", None) or getattr(out, "past_key_values", None))
-    outputs.append(out.logits[:, -1:])  # (D, 1, V): every prompt ends at the last column
+    outputs.append(out.logits[:, -1:])  # (D, 1, H): every prompt ends at the last column
     leaves = [t.detach().requires_grad_(t.requires_grad) for t in outputs]
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     return SharedPrompts(mask, lengths, outputs, leaves)
@@ -139,46 +143,46 @@ def _cache_tensors(cache: Any) -> list[torch.Tensor]:
     return outputs
 
 
-def response_logits_on_prompts(
+def response_states_on_prompts(
     model: Any,
     prompts: SharedPrompts,
     rows: torch.Tensor,  # (m,) each response's prompt: a row of ``prompts``
     response_ids: torch.Tensor,  # (m, R) right-padded
     response_mask: torch.Tensor,  # (m, R) 1 on real tokens
     autocast_dtype: torch.dtype | None,
-) -> torch.Tensor:  # (m, R, V) float32: position t predicts response token t
-    """Logits of a chunk of responses, each on top of its own shared prompt.
+) -> torch.Tensor:  # (m, R, H): position t predicts response token t
+    """Final hidden states of a chunk of responses, each on top of its own shared prompt.
 
     Where the model's attention takes a boolean 4-D mask (atgrpo's and transformers' SDPA), the
     responses run packed (:func:`pack_responses`), each prompt's back to back in one row, when
     that runs fewer positions than one row per response padded to the longest (a chunk's
     prompts with very different numbers of responses can make it run more); else padded rows.
-    The two compute the same logits up to float rounding at every response token; at padding
-    positions (which the loss masks) the packed logits are 0, the padded rows' whatever the pad
+    The two compute the same states up to float rounding at every response token; at padding
+    positions (which the loss masks) the packed states are 0, the padded rows' whatever the pad
     token gives.
     """
     if response_ids.shape[1] == 1:  # one token each: the prompt's last position predicts it
-        return prompts.last_logits(rows).float()
+        return prompts.last_states(rows)
     if unwrapped(model).config._attn_implementation in PACKABLE:
         plan = PackPlan.of(rows, response_mask)
         if plan.positions < response_ids.shape[0] * (response_ids.shape[1] - 1):  # padded's
             layout = pack_responses(prompts, rows, response_ids, plan)
-            return _packed_logits(model, prompts, layout, autocast_dtype)
-    return _padded_logits(model, prompts, rows, response_ids, response_mask, autocast_dtype)
+            return _packed_states(model, prompts, layout, autocast_dtype)
+    return _padded_states(model, prompts, rows, response_ids, response_mask, autocast_dtype)
 
 
 # Attention implementations that read a boolean (batch, 1, queries, keys) mask as given.
 PACKABLE = frozenset({ATTENTION, "sdpa"})
 
 
-def _padded_logits(
+def _padded_states(
     model: Any,
     prompts: SharedPrompts,
     rows: torch.Tensor,  # (m,)
     response_ids: torch.Tensor,  # (m, R)
     response_mask: torch.Tensor,  # (m, R)
     autocast_dtype: torch.dtype | None,
-) -> torch.Tensor:  # (m, R, V) float32
+) -> torch.Tensor:  # (m, R, H)
     """One row per response, right-padded to the longest, over its prompt's cache."""
     from transformers import DynamicCache
 
@@ -188,8 +192,8 @@ def _padded_logits(
     # (m, P + R - 1): each row's prompt (left padding), then its real response tokens
     mask = torch.cat([prompts.mask[rows], response_mask[:, :-1].long()], dim=1)
     positions = prompts.lengths[rows, None] + torch.arange(width_r - 1, device=rows.device)
-    logits = _forward(model, cache, inputs, mask, positions, autocast_dtype)
-    return torch.cat([prompts.last_logits(rows), logits], dim=1).float()
+    states = _forward(model, cache, inputs, mask, positions, autocast_dtype)
+    return torch.cat([prompts.last_states(rows), states], dim=1)
 
 
 @dataclass(frozen=True)
@@ -202,7 +206,7 @@ class PackedResponses:
     positions: torch.Tensor  # (b, T) each token's position after its own prompt
     mask: torch.Tensor  # (b, 1, T, P + T) bool: the prompt's tokens and the same response's
     # earlier tokens; a padding query sees its prompt only (a row of no keys would give nan)
-    index: torch.Tensor  # (m, R) each response token's row of :func:`_packed_logits`' table
+    index: torch.Tensor  # (m, R) each response token's row of :func:`_packed_states`' table
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,7 @@ def pack_responses(
     ids = torch.zeros(shape, dtype=torch.long, device=device)
     offsets = torch.zeros_like(ids)
     member = torch.full_like(ids, -1)  # which response each position holds; -1: padding
-    first = len(prompts.lengths)  # the table's first packed row, after the prompts' last logits
+    first = len(prompts.lengths)  # the table's first packed row, after the prompts' last states
     index = torch.full((m, width_r), first + ids.numel(), device=device)  # padding: zero row
     index[:, 0] = rows  # the first token: predicted by the prompt's last position
     for i, (b, start, n) in enumerate(zip(plan.row, plan.start, plan.inputs, strict=True)):
@@ -263,25 +267,25 @@ def pack_responses(
     return PackedResponses(prompt_rows, ids, positions, mask, index)
 
 
-def _packed_logits(
+def _packed_states(
     model: Any,
     prompts: SharedPrompts,
     layout: PackedResponses,
     autocast_dtype: torch.dtype | None,
-) -> torch.Tensor:  # (m, R, V) float32, 0 on padding
-    """The packed responses' forward over their prompts' cache, the logits put back in the
-    (m, R) layout: a table of every prompt's last logits, then every packed position's, then a
+) -> torch.Tensor:  # (m, R, H), 0 on padding
+    """The packed responses' forward over their prompts' cache, the states put back in the
+    (m, R) layout: a table of every prompt's last states, then every packed position's, then a
     zero row for padding, gathered by the layout's index."""
     from transformers import DynamicCache
 
     cache = DynamicCache(ddp_cache_data=list(prompts.layers(layout.prompt_rows)))
-    logits = _forward(model, cache, layout.ids, layout.mask, layout.positions, autocast_dtype)
-    last = prompts.leaves[-1]  # (D, 1, V)
+    states = _forward(model, cache, layout.ids, layout.mask, layout.positions, autocast_dtype)
+    last = prompts.leaves[-1]  # (D, 1, H)
     table = torch.cat(
-        [last.flatten(0, 1), logits.flatten(0, 1), logits.new_zeros(1, logits.shape[-1])]
+        [last.flatten(0, 1), states.flatten(0, 1), states.new_zeros(1, states.shape[-1])]
     )
     rows = table.index_select(0, layout.index.flatten())  # backward: one index_add (2x faster
-    return rows.view(*layout.index.shape, -1).float()  # than advanced indexing's index_put)
+    return rows.view(*layout.index.shape, -1)  # than advanced indexing's index_put)
 
 
 def _forward(
@@ -292,9 +296,9 @@ def _forward(
     positions: torch.Tensor,
     autocast_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """The model's logits at every position of ``ids``, over ``cache``."""
+    """The model's final hidden states at every position of ``ids``, over ``cache``."""
     kwargs = {cache_kwarg(unwrapped(model).forward): cache}  # 5.24: cache=; 5.19: past_key_values=
-    with autocast_for(model, autocast_dtype):
+    with final_states(model), autocast_for(model, autocast_dtype):
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
         )

@@ -10,6 +10,10 @@ truncated importance weights. Gradients accumulate over micro-batches with the w
 token / sequence count as the normaliser, so the step equals one full-batch step; leaving the
 zero-advantage samples out (``skip_zero_advantage``) changes neither (invariant 10).
 
+The model returns its final hidden states and the output layer turns them into log-probs a chunk
+of positions at a time (:mod:`atgrpo.algo.scores`), so no (batch x response x vocabulary)
+tensor exists at once.
+
 Several optimizer steps per rollout batch (``ppo_mini_batch_size``, ``ppo_epochs``;
 :mod:`atgrpo.algo.minibatch`) cut the batch into ceil(samples / size) mini-batches of whole
 prompt groups, one step each, every step normalised by its own mini-batch's counts. pi_old then
@@ -45,19 +49,24 @@ import torch
 
 from atgrpo.algo import prefix
 from atgrpo.algo.loss import (
+    LOGPROB_CHUNK_TOKENS,
     LossAggregation,
     LossOutput,
     OldLogprobs,
     RatioLevel,
-    entropy_from_logits,
     ppo_clip_loss,
-    token_logprobs,
     truncated_is_weights,
 )
 from atgrpo.algo.minibatch import Shard, TrainerLogprobs, mini_batches, shards
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.prefix import prompt_groups, run_prompts
 from atgrpo.algo.records import Sample
+from atgrpo.algo.scores import (
+    Scores,
+    final_states,
+    output_layer,
+    token_scores,
+)
 from atgrpo.algo.truncation import Truncation
 from atgrpo.models import autocast_for
 
@@ -117,6 +126,9 @@ class UpdateSettings:
     # max_new_tokens leaves the loss and its normalisers (TRL's mask_truncated_completions).
     truncation: Truncation = Truncation.KEEP
     truncation_per_agent: Mapping[str, Truncation] = dataclasses.field(default_factory=dict)
+    # Rows x positions of logits at a time when the output layer turns the final hidden states
+    # into log-probs (atgrpo.algo.scores); each chunk's logits are recomputed in backward.
+    logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS
 
     @property
     def regularised(self) -> bool:
@@ -192,7 +204,8 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
 
 
 def response_logits(model: Any, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """Logits that predict each response token: (B, R, V)."""
+    """Logits that predict each response token: (B, R, V), all at once. The update does not
+    build them (:func:`response_states`, :mod:`atgrpo.algo.scores`); tests compare with them."""
     width_r = batch.responses.targets.shape[1]
     device = next(model.parameters()).device
     with autocast_for(model, autocast_dtype):
@@ -204,6 +217,43 @@ def response_logits(model: Any, batch: Batch, autocast_dtype: torch.dtype | None
             use_cache=False,
         )
     return out.logits[:, :width_r].float()
+
+
+def response_states(model: Any, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """The final hidden states that predict each response token: (B, R, H)."""
+    width_r = batch.responses.targets.shape[1]
+    device = next(model.parameters()).device
+    with final_states(model), autocast_for(model, autocast_dtype):
+        out = model(
+            input_ids=batch.input_ids.to(device),
+            attention_mask=batch.attention_mask.to(device),
+            position_ids=batch.position_ids.to(device),
+            logits_to_keep=width_r + 1,  # positions P-1 .. P+R-1; the last one predicts nothing
+            use_cache=False,
+        )
+    return out.logits[:, :width_r]
+
+
+def response_scores(
+    model: Any,
+    states: torch.Tensor,  # (B, R, H) from response_states or the prefix-shared passes
+    r: Responses,
+    settings: UpdateSettings,
+    autocast_dtype: torch.dtype | None,
+    entropy: bool = False,
+) -> Scores:
+    """Each response token's log-prob (and entropy) at its sample's temperature, the output
+    layer applied ``settings.logprob_chunk_tokens`` logits at a time."""
+    temperature = _temperature(r, settings)  # (B, 1, 1): each sample's own
+    with autocast_for(model, autocast_dtype):  # as the output layer ran inside the forward
+        return token_scores(
+            states,
+            output_layer(model),
+            r.targets,
+            temperature,
+            settings.logprob_chunk_tokens,
+            entropy,
+        )
 
 
 @dataclass
@@ -246,18 +296,25 @@ class UpdateStats:
         return out
 
 
-def reference_logits(policy: Policy, batch: Batch) -> torch.Tensor:
-    """Logits of the frozen starting point of ``policy`` for the KL term: (B, R, V).
+@torch.no_grad()
+def reference_logprobs(policy: Policy, batch: Batch, settings: UpdateSettings) -> torch.Tensor:
+    """(B, R) log-probs of the frozen starting point of ``policy`` for the KL term.
 
     L2: the shared base with every adapter switched off; whole models: the initial copy.
     """
-    with torch.no_grad():
-        if policy.adapter is not None:
-            with policy.model.disable_adapter():
-                return response_logits(policy.model, batch, policy.autocast_dtype)
-        if policy.reference is None:
-            raise ValueError(f"policy {policy.policy_id!r} has no reference model for the KL term")
-        return response_logits(policy.reference, batch, policy.autocast_dtype)
+    if policy.adapter is not None:
+        with policy.model.disable_adapter():
+            return _logprobs(policy.model, batch, settings, policy.autocast_dtype)
+    if policy.reference is None:
+        raise ValueError(f"policy {policy.policy_id!r} has no reference model for the KL term")
+    return _logprobs(policy.reference, batch, settings, policy.autocast_dtype)
+
+
+def _logprobs(
+    model: Any, batch: Batch, settings: UpdateSettings, autocast_dtype: torch.dtype | None
+) -> torch.Tensor:  # (B, R)
+    states = response_states(model, batch, autocast_dtype)
+    return response_scores(model, states, batch.responses, settings, autocast_dtype).logprobs
 
 
 def ppo_update(
@@ -474,10 +531,10 @@ def _backward_unshared(
     sharded group run the group's largest number of micro-batches (module docstring)."""
     in_step = group is not None and group.sharded
     for chunk, batch, real in _unshared_passes(policy, computed, settings, group):
-        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
+        states = response_states(policy.model, batch, policy.autocast_dtype)  # (B, R, H)
         old = olds.get(chunk, batch.input_ids.device) if real else None
         rows = norm.rows(chunk) if real and _per_agent(settings) else None
-        result = _loss(policy, logits, batch.responses, settings, norm, _given(batch), old, rows)
+        result = _loss(policy, states, batch.responses, settings, norm, _given(batch), old, rows)
         if not real:
             (result.out.loss * 0.0).backward()  # the collectives of a pass, a zero gradient
             continue
@@ -497,15 +554,16 @@ def _record_old_logprobs(
     """pi_old of ``samples``: one forward in micro-batches before any step, each group's prompt
     once where the update shares prefixes (as its own passes do). The ranks of a sharded group
     run the same number of forwards (FSDP2 gathers weights in each)."""
+    model, dtype = policy.model, policy.autocast_dtype
     if settings.share_prefix and not (group is not None and group.sharded):
-        for _, chunk, r, logits, _ in _shared_passes(policy, samples, settings):
-            olds.record(chunk, token_logprobs(logits, r.targets, _temperature(r, settings)))
+        for _, chunk, r, states, _ in _shared_passes(policy, samples, settings):
+            olds.record(chunk, response_scores(model, states, r, settings, dtype).logprobs)
         return
     for chunk, batch, real in _unshared_passes(policy, samples, settings, group):
-        logits = response_logits(policy.model, batch, policy.autocast_dtype)  # (B, R, V)
         if real:
-            temperature = _temperature(batch.responses, settings)
-            olds.record(chunk, token_logprobs(logits, batch.responses.targets, temperature))
+            olds.record(chunk, _logprobs(model, batch, settings, dtype))
+        else:  # a placeholder's forward: the sharded ranks gather weights in step
+            response_states(model, batch, dtype)
 
 
 def _unshared_passes(
@@ -544,12 +602,12 @@ def _backward_shared(
     graph back-propagated after their last responses."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
-    for prompts, chunk, r, logits, last in _shared_passes(policy, computed, settings):
+    for prompts, chunk, r, states, last in _shared_passes(policy, computed, settings):
         # The full rows (prompt + response) are built only for a KL reference.
         full_rows = functools.partial(_full_rows, chunk, pad_id, device)
         old = olds.get(chunk, device)
         weights = norm.rows(chunk) if _per_agent(settings) else None
-        result = _loss(policy, logits, r, settings, norm, full_rows, old, weights)
+        result = _loss(policy, states, r, settings, norm, full_rows, old, weights)
         olds.record(chunk, result.trainer)
         if not _backward(result, acc):
             return
@@ -560,9 +618,9 @@ def _backward_shared(
 def _shared_passes(
     policy: Policy, samples: list[Sample], settings: UpdateSettings
 ) -> Iterator[tuple[prefix.SharedPrompts, list[Sample], Responses, torch.Tensor, bool]]:
-    """Up to a micro-batch of distinct prompts in one forward, then their responses' logits
-    (m, R, V) in micro-batches over the prompts' cache: (prompts, chunk, responses, logits,
-    whether the chunk is those prompts' last)."""
+    """Up to a micro-batch of distinct prompts in one forward, then their responses' final
+    hidden states (m, R, H) in micro-batches over the prompts' cache: (prompts, chunk,
+    responses, states, whether the chunk is those prompts' last)."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
     groups = prompt_groups(samples)
@@ -577,10 +635,10 @@ def _shared_passes(
             rows = torch.tensor([row for row, _ in members[start : start + size]], device=device)
             chunk = [s for _, s in members[start : start + size]]
             r = collate_responses(chunk, pad_id).to(device)
-            logits = prefix.response_logits_on_prompts(
+            states = prefix.response_states_on_prompts(
                 policy.model, prompts, rows, r.targets, r.mask, policy.autocast_dtype
             )
-            yield prompts, chunk, r, logits, start + size >= len(members)
+            yield prompts, chunk, r, states, start + size >= len(members)
 
 
 def _backward(result: _MicroLoss, acc: _Accumulator, always: bool = False) -> bool:
@@ -618,7 +676,7 @@ class _MicroLoss:
 
 def _loss(
     policy: Policy,
-    logits: torch.Tensor,  # (B, R, V) predicting each response token
+    states: torch.Tensor,  # (B, R, H) final hidden states predicting each response token
     r: Responses,
     settings: UpdateSettings,
     norm: _Normalisers,
@@ -631,8 +689,9 @@ def _loss(
     pi_old is the trainer's: ``old_trainer`` when an earlier optimizer step of this update moved
     the weights, else this forward's own log-probs, detached (the ratio is then exactly 1).
     """
-    temperature = _temperature(r, settings)  # (B, 1, 1): each sample's own
-    logprobs = token_logprobs(logits, r.targets, temperature)  # (B, R)
+    entropy_on = settings.entropy_coef > 0
+    scores = response_scores(policy.model, states, r, settings, policy.autocast_dtype, entropy_on)
+    logprobs = scores.logprobs  # (B, R) at each sample's own temperature
     trainer = logprobs.detach() if old_trainer is None else old_trainer
     old = trainer if settings.old_logprobs is OldLogprobs.TRAINER else r.old_logprobs
     weights = None
@@ -640,9 +699,7 @@ def _loss(
         weights = truncated_is_weights(trainer, r.old_logprobs, r.mask, settings.tis_cap)
     ref_logprobs = None
     if settings.kl_coef > 0:
-        ref_logits = reference_logits(policy, full_rows())
-        ref_logprobs = token_logprobs(ref_logits, r.targets, temperature)
-    entropy = entropy_from_logits(logits, temperature) if settings.entropy_coef > 0 else None
+        ref_logprobs = reference_logprobs(policy, full_rows(), settings)
     out = ppo_clip_loss(
         logprobs,
         old,
@@ -653,7 +710,7 @@ def _loss(
         aggregation=settings.aggregation,
         ref_logprobs=ref_logprobs,
         kl_coef=settings.kl_coef,
-        entropy=entropy,
+        entropy=scores.entropy,
         entropy_coef=settings.entropy_coef,
         is_weights=weights,
         dual_clip=settings.dual_clip,
@@ -661,7 +718,7 @@ def _loss(
         num_tokens=norm.num_tokens,
         num_seqs=norm.num_seqs,
         norm_tokens=settings.norm_tokens or None,
-        row_norms=None if rows is None else rows.to(logits.device),
+        row_norms=None if rows is None else rows.to(states.device),
     )
     return _MicroLoss(out, _gap(trainer, r.old_logprobs, r.mask), trainer)
 

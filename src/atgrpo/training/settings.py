@@ -107,6 +107,7 @@ def update_settings(cfg: Config, agents: tuple[str, ...] = ()) -> UpdateSettings
         kl_coef=algo.kl_coef,
         entropy_coef=algo.entropy_coef,
         micro_batch_size=cfg.train.micro_batch_size,
+        logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
         grad_clip=cfg.train.grad_clip,
         skip_zero_advantage=algo.skip_zero_advantage,
         old_logprobs=algo.old_logprobs,
