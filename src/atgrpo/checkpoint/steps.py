@@ -110,10 +110,14 @@ _NUMPY_STATE: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
 
 def load_torch(path: Path) -> Any:
     """``torch.load`` that runs no pickled code (``weights_only``): a .pt file of a checkpoint
-    someone else wrote cannot execute anything; one that tries is a :class:`CheckpointError`."""
+    someone else wrote cannot execute anything; one that tries is a :class:`CheckpointError`.
+
+    Its tensors load onto the CPU whatever device wrote them (a GPU run's optimizer state
+    resumes or evaluates on a CPU machine); ``Optimizer.load_state_dict`` moves each state to
+    its parameter's device."""
     try:
         with torch.serialization.safe_globals(_NUMPY_STATE):
-            return torch.load(path, weights_only=True)
+            return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
         what = f"it names {found.group(1)}" if found else "it is no plain torch file"
@@ -405,5 +409,6 @@ def restore_rng(checkpoint: Path) -> None:
     random.setstate(saved["python"])
     np.random.set_state(saved["numpy"])
     torch.set_rng_state(saved["torch"])
-    if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
+    if "cuda" in saved and torch.cuda.is_available():  # the GPUs this machine has, in order
+        for index, state in enumerate(saved["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
