@@ -236,8 +236,8 @@ def test_sharded_ranks_take_several_optimizer_steps_per_rollout(
     from atgrpo.distributed import start_ray_policies
 
     cfg = _sharded(TINY, tmp_path, two_nodes, "shared")
-    # Mini-batches of 2 samples, at most one per prompt group (the driver deals whole groups to
-    # the ranks, so they count them exactly), passed over twice.
+    # Mini-batches of 2 samples, at most one per prompt group (the driver plans them for the
+    # whole batch and deals each one's groups to the ranks), passed over twice.
     settings = dataclasses.replace(_settings(kl=0.0), ppo_mini_batch_size=2, ppo_epochs=2)
     batch = mixed_batch(build_policy(cfg))
     per_epoch = min(-(-len(batch) // 2), len({tuple(s.prompt_ids) for s in batch}))

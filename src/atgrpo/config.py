@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from atgrpo.algo.advantage import AdvantageScale, Grouping, StdKind, StdScope
 from atgrpo.algo.filtering import GroupFilter
@@ -288,8 +295,15 @@ class RolloutConfig(_Section):
             "task (first user message) always stay, and a prompt still too long is an error."
         ),
     )
-    generation_batch_size: int = Field(
-        0, ge=0, description="Cap on prompts per generate call; 0 = all K x B in one call."
+    generation_batch_size: int | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "HF engine: prompts per generate call; auto = as many as half the device's memory, "
+            "less the sampling model's training state, holds in key/value cache at the call's "
+            "longest prompt plus max_new_tokens (a fixed function of the machine and the "
+            "config: sampling does not depend on what else holds memory); 0 = all K x B in one "
+            "call."
+        ),
     )
     env_workers: int = Field(
         0, ge=0, description="Threads applying branches to envs (sandboxed programs); 0 = #cores."
@@ -328,6 +342,15 @@ class RolloutConfig(_Section):
                 own.overlong_penalty_factor, self.overlong_penalty_factor
             ),
         )
+
+    @field_validator("generation_batch_size", mode="before")
+    @classmethod
+    def _batch_size_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        ):
+            return value
+        raise ValueError(f"{value!r} is neither auto nor a count of 0 or more")
 
     def max_new_tokens_override(self, agent_id: str) -> int | None:
         """The agent's own cap (``agents.<id>`` or ``max_new_tokens_per_agent``), if it has one."""

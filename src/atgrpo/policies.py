@@ -23,7 +23,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -78,7 +78,11 @@ class PolicyGenerator:
     """The rollout engine of one policy: activates its adapter, then samples (HF backend)."""
 
     def __init__(
-        self, policy: Policy, max_batch_size: int | None = None, *, share_prefill: bool
+        self,
+        policy: Policy,
+        max_batch_size: int | Literal["auto"] | None = None,
+        *,
+        share_prefill: bool,
     ) -> None:
         self.policy = policy
         self.engine = HFGenerator(
@@ -106,7 +110,7 @@ def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, G
     the policy's current weights; ``sync_weights`` after each update keeps it on-policy.
     """
     if cfg.rollout.engine is RolloutEngine.HF:
-        batch = cfg.rollout.generation_batch_size or None
+        batch = cfg.rollout.generation_batch_size or None  # 0: all prompts in one call
         share = cfg.rollout.share_prefill
         return {pid: PolicyGenerator(p, batch, share_prefill=share) for pid, p in policies.items()}
     try:

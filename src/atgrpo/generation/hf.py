@@ -53,14 +53,14 @@ import contextlib
 import inspect
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from atgrpo.attention import ATTENTION, float32_attention
-from atgrpo.generation import cpu_kernels, fused
+from atgrpo.generation import cpu_kernels, fused, memory
 from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.generation.cache import growing
 from atgrpo.generation.packed import PackedLinears
@@ -310,7 +310,7 @@ class HFGenerator:
         *,
         share_prefill: bool,
         autocast_dtype: torch.dtype | None = None,
-        max_batch_size: int | None = None,
+        max_batch_size: int | Literal["auto"] | None = None,
         prompt_once: bool = True,
         pack_weights: bool = True,
         decode_kernel: bool = True,
@@ -353,11 +353,21 @@ class HFGenerator:
             check_sampling(params.temperature, params.top_k, params.top_p)
             sampler_args = (params.temperature, params.top_k, params.top_p)
         out: list[Generation] = []
-        step = self.max_batch_size or max(1, len(prompts))
+        step = self._rows_per_call(prompts, params.max_new_tokens)
         for start in range(0, len(prompts), step):
             chunk = prompts[start : start + step]
             out.extend(self._generate_batch(chunk, params.max_new_tokens, sampler_args))
         return out
+
+    def _rows_per_call(self, prompts: list[list[int]], max_new_tokens: int) -> int:
+        """``max_batch_size`` prompts a call; None: all; auto: as many as the cache budget
+        takes (:mod:`atgrpo.generation.memory`)."""
+        if isinstance(self.max_batch_size, int) and self.max_batch_size > 0:
+            return self.max_batch_size
+        if self.max_batch_size == memory.AUTO:
+            width = max((len(p) for p in prompts), default=0)
+            return memory.rows_per_call(self.model, len(prompts), width, max_new_tokens)
+        return max(1, len(prompts))
 
     @torch.no_grad()
     def _generate_batch(
