@@ -6,9 +6,7 @@ and no chunk holds more than its share of logits."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -16,11 +14,12 @@ import torch
 from atgrpo.algo.loss import LossAggregation, entropy_from_logits, token_logprobs
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.scores import final_states, output_layer, token_scores
-from atgrpo.algo.update import UpdateSettings, collate, ppo_update, response_logits
+from atgrpo.algo.update import UpdateSettings, collate, response_logits
 from atgrpo.config import load_config
 from atgrpo.policies import build_policies, build_policy
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS, mixed_batch
+from test_truncation import _gradients
 
 TINY = REPO / "configs" / "tiny.yaml"
 # An entropy term (so both scores are used) and a KL term (the reference's log-probs too).
@@ -103,21 +102,6 @@ def test_response_scores_match_the_full_logits_of_the_model(tmp_path: Path) -> N
     torch.testing.assert_close(got[mask], want[mask], atol=1e-6, rtol=0)
 
 
-def _grads(policy: Policy, samples: list[Any], settings: UpdateSettings) -> list[torch.Tensor]:
-    captured: list[torch.Tensor] = []
-
-    def capture(*args: object, **kwargs: object) -> None:
-        captured.extend(p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                        for p in policy.params)  # fmt: skip
-
-    policy.optimizer.step = capture  # type: ignore[method-assign]
-    with warnings.catch_warnings():  # torch notices the replaced step
-        warnings.simplefilter("ignore", UserWarning)
-        stats = ppo_update(policy, samples, settings)
-    assert not stats.skipped, stats.reason
-    return [*captured, torch.tensor([stats.loss, stats.entropy, stats.kl])]
-
-
 @pytest.mark.parametrize(
     ("config", "share_prefix"),
     [("tiny.yaml", False), ("tiny.yaml", True), ("tiny-lora.yaml", True)],
@@ -136,6 +120,9 @@ def test_the_update_takes_the_same_step_chunked_and_whole(
     grads = {}
     for chunk in (3, 10_000):  # 3 tokens: one position of 3 rows a chunk; else one chunk
         settings = dataclasses.replace(BASE, share_prefix=share_prefix, logprob_chunk_tokens=chunk)
-        grads[chunk] = _grads(first if chunk == 3 else policy(), samples, settings)
-    for got, want in zip(grads[3], grads[10_000], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        grads[chunk] = _gradients(first if chunk == 3 else policy(), samples, settings)
+    (got, got_stats), (want, want_stats) = grads[3], grads[10_000]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for k in ("loss", "entropy", "kl"):
+        assert getattr(got_stats, k) == pytest.approx(getattr(want_stats, k), abs=1e-6), k

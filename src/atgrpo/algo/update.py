@@ -205,18 +205,10 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
 
 def response_logits(model: Any, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """Logits that predict each response token: (B, R, V), all at once. The update does not
-    build them (:func:`response_states`, :mod:`atgrpo.algo.scores`); tests compare with them."""
-    width_r = batch.responses.targets.shape[1]
-    device = next(model.parameters()).device
+    build them (:func:`response_scores`, a chunk at a time); tests compare with them."""
+    states = response_states(model, batch, autocast_dtype)
     with autocast_for(model, autocast_dtype):
-        out = model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device),
-            logits_to_keep=width_r + 1,  # positions P-1 .. P+R-1; the last one predicts nothing
-            use_cache=False,
-        )
-    return out.logits[:, :width_r].float()
+        return output_layer(model)(states).float()
 
 
 def response_states(model: Any, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
