@@ -355,3 +355,12 @@ def test_extends_updates_sections_and_replaces_policies(tmp_path: Path) -> None:
     (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
         load_config(tmp_path / "loop.yaml")
+
+
+def test_the_vllm_engine_is_eager_on_cpu_and_graphs_on_a_gpu_unless_told() -> None:
+    from atgrpo.policies import eager_engine
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert load_config(None).rollout.vllm.enforce_eager == "auto"
+    assert (eager_engine("auto", cpu), eager_engine("auto", gpu)) == (True, False)
+    assert (eager_engine(True, gpu), eager_engine(False, cpu)) == (True, False)

