@@ -9,6 +9,7 @@ atgrpo config CONFIG [key=value ...]        print the resolved config
 atgrpo config --describe [SECTION]          every key: type, default, meaning (docs/config.md)
 atgrpo report RUN [RUN ...] [--out PATH]     one offline report.html: curves and rollouts
 atgrpo check-env CONFIG [key=value ...] [--seeds N]   the config's env against the env rules
+atgrpo estimate CONFIG [key=value ...] [--gpus N] [--gpu-memory 80GiB]   memory per device
 
 key=value overrides may stand anywhere on the line. An expected failure (a config mistake, a
 missing or damaged file, a full disk, a model folder without a tokenizer) is one line on stderr
@@ -570,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tool_use(sub)
     _add_groups(sub)
     _add_slim(sub)
+    _add_estimate(sub)
     return parser
 
 
@@ -772,6 +774,69 @@ def _add_check_env(sub: _Commands) -> None:
         "--seeds", type=int, default=3, metavar="N", help="check seeds 0..N-1 (default: 3)"
     )
     p.set_defaults(func=cmd_check_env)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from atgrpo.training import estimate as est
+
+    memory = est.parse_size(args.gpu_memory) if args.gpu_memory is not None else None
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: give the number of GPUs there are, 1 or more")
+    cfg = load_config(args.config, args.overrides)
+    found = est.estimate(cfg, memory)
+    unit = "GiB (2^30 bytes)"
+    against = f"{found.memory / est.GIB:.1f} GiB ({found.memory_source})"
+    print(
+        f"atgrpo estimate {args.config}: memory per device and phase in {unit}, against {against}"
+    )
+    for line in est.table(found):
+        print(line)
+    kept = found.disk_per_checkpoint * found.checkpoints_kept
+    print(
+        f"disk: {found.disk_per_checkpoint / est.GIB:.1f} GiB per checkpoint, "
+        f"{kept / est.GIB:.1f} GiB for the {found.checkpoints_kept} kept (checkpoint.keep)"
+    )
+    fits = found.fits
+    if found.on_gpu:
+        have = args.gpus if args.gpus is not None else found.gpus_needed
+        print(f"GPUs: the config takes {found.gpus_needed}, there are {have}")
+        if found.gpus_needed > have:
+            fits = False
+            print("does not fit: fewer backend.policies.<id>.num_workers, or more GPUs (--gpus)")
+    if found.fits:
+        print("fits: every device's peak is within its memory")
+        return 0 if fits else 1
+    worst = max(found.device_totals().items(), key=lambda kv: kv[1])
+    (device, phase), peak = worst
+    print(f"does not fit: {device} needs {peak / est.GIB:.2f} GiB in the {phase} phase; try:")
+    options = est.fixes(
+        cfg, lambda extra: load_config(args.config, [*args.overrides, *extra]), memory
+    )
+    for what, after in options:
+        print(f"  {what}   (peak {after:.2f} GiB)")
+    if not options:
+        print("  no single change fits: combine them, or take a device with more memory")
+    return 1
+
+
+def _add_estimate(sub: _Commands) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="the memory a config needs per device and phase, before anything loads",
+    )
+    p.add_argument("config", help="YAML config, e.g. configs/gpu/qwen3-1.7b-math-mas.yaml")
+    p.add_argument("overrides", nargs="*", default=[], help=_OVERRIDES_HELP)
+    p.add_argument(
+        "--gpus", type=int, default=None, metavar="N", help="GPUs there are (default: as needed)"
+    )
+    p.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="one GPU's memory, e.g. 80GiB or 80GB (default: this machine's device: a GPU's "
+        "memory, else the RAM)",
+    )
+    p.set_defaults(func=cmd_estimate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,12 +46,39 @@ def device_memory(device: torch.device) -> int:
     return int(total)
 
 
+# Bytes a parameter of ``dtype_bytes`` holds in training: the weight, its gradient and AdamW's
+# two moments (4 x) when it trains, the weight alone (1 x) when it is frozen.
+TRAINED_COPIES = 4
+
+
+def state_bytes(trainable: int, frozen: int, dtype_bytes: int) -> int:
+    """Weights, gradients and AdamW's moments of ``trainable`` + ``frozen`` parameters."""
+    return (TRAINED_COPIES * trainable + frozen) * dtype_bytes
+
+
 def training_state_bytes(model: Any) -> int:
-    """Weights, gradients and AdamW's moments of ``model``: 4 x its bytes for each trainable
+    """:func:`state_bytes` of ``model``'s parameters: 4 x their bytes for each trainable
     parameter, 1 x for a frozen one."""
     return sum(
-        p.numel() * p.element_size() * (4 if p.requires_grad else 1) for p in model.parameters()
+        state_bytes(p.numel(), 0, p.element_size())
+        if p.requires_grad
+        else state_bytes(0, p.numel(), p.element_size())
+        for p in model.parameters()
     )
+
+
+def row_bytes(config: Any, dtype_bytes: int, prompt_tokens: int, new_tokens: int) -> int:
+    """One generate row's key/value cache at ``prompt_tokens`` + ``new_tokens``, and a few
+    copies of a decode step's fp32 logits."""
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    return per_token * (prompt_tokens + new_tokens) + _LOGIT_COPIES * 4 * config.vocab_size
+
+
+def rows_for_budget(rows: int, row: int, memory: int, training_state: int) -> int:
+    """How many of ``rows`` rows of ``row`` bytes one call takes under ``auto`` on a device of
+    ``memory`` bytes that also holds ``training_state`` bytes: at least 1, at most ``rows``."""
+    budget = GENERATION_MEMORY_SHARE * memory - training_state
+    return max(1, min(rows, int(budget // row)))
 
 
 def rows_per_call(model: Any, rows: int, prompt_tokens: int, new_tokens: int) -> int:
@@ -59,7 +86,6 @@ def rows_per_call(model: Any, rows: int, prompt_tokens: int, new_tokens: int) ->
     ``new_tokens`` takes under ``auto``: at least 1, at most ``rows``."""
     param = next(model.parameters())
     config = getattr(model, "get_base_model", lambda: model)().config  # a peft model's base's
-    per_row = kv_bytes_per_token(config, param.element_size()) * (prompt_tokens + new_tokens)
-    per_row += _LOGIT_COPIES * 4 * config.vocab_size
-    budget = GENERATION_MEMORY_SHARE * device_memory(param.device) - training_state_bytes(model)
-    return max(1, min(rows, int(budget // per_row)))
+    row = row_bytes(config, param.element_size(), prompt_tokens, new_tokens)
+    state = training_state_bytes(model)
+    return rows_for_budget(rows, row, device_memory(param.device), state)
