@@ -796,16 +796,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         f"disk: {found.disk_per_checkpoint / est.GIB:.1f} GiB per checkpoint, "
         f"{kept / est.GIB:.1f} GiB for the {found.checkpoints_kept} kept (checkpoint.keep)"
     )
-    fits = found.fits
+    have = args.gpus if args.gpus is not None else found.gpus_needed
+    enough = not found.on_gpu or found.gpus_needed <= have
     if found.on_gpu:
-        have = args.gpus if args.gpus is not None else found.gpus_needed
         print(f"GPUs: the config takes {found.gpus_needed}, there are {have}")
-        if found.gpus_needed > have:
-            fits = False
-            print("does not fit: fewer backend.policies.<id>.num_workers, or more GPUs (--gpus)")
-    if found.fits:
+    if found.fits and enough:
         print("fits: every device's peak is within its memory")
-        return 0 if fits else 1
+        return 0
+    if not enough:
+        print("does not fit: fewer backend.policies.<id>.num_workers, or more GPUs (--gpus)")
+    if found.fits:
+        return 1
     worst = max(found.device_totals().items(), key=lambda kv: kv[1])
     (device, phase), peak = worst
     print(f"does not fit: {device} needs {peak / est.GIB:.2f} GiB in the {phase} phase; try:")
