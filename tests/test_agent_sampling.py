@@ -107,6 +107,12 @@ class RecordingGenerator:
     def sync_weights(self) -> None:
         return None
 
+    def sleep(self) -> None:
+        return None
+
+    def wake_up(self) -> None:
+        return None
+
 
 def _encode(messages: list[dict[str, str]]) -> list[int]:
     return list("\n".join(m["content"] for m in messages).encode("utf-8", "replace"))

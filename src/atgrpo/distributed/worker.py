@@ -132,6 +132,12 @@ class PolicyWorker:
         torch.set_rng_state(rng_state)  # dropout, if any, draws as the driver's process would
         return ppo_update(self.policies[policy_id], samples, settings, self.group)
 
+    def sleep_engine(self, policy_id: str) -> None:
+        self.generators[policy_id].sleep()
+
+    def wake_engine(self, policy_id: str) -> None:
+        self.generators[policy_id].wake_up()
+
     def sync_weights(self, policy_id: str) -> None:
         """The rollout engine samples from the new weights (timed by the driver: perf/sync_s)."""
         if policy_id in self.shards:  # a collective: every rank gathers the same tensors

@@ -53,3 +53,13 @@ class Generator(Protocol):
         (vLLM) copies the new weights, or the policy's LoRA adapter, into itself.
         """
         ...
+
+    def sleep(self) -> None:
+        """Give the device memory the engine holds back for the update (vLLM's sleep mode:
+        its weights to CPU memory, its cache dropped); called before each update. A no-op
+        for the HF engine, which samples with the training model itself."""
+        ...
+
+    def wake_up(self) -> None:
+        """Take that memory back; called after each update, before ``sync_weights``."""
+        ...

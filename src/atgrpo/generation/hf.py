@@ -347,6 +347,12 @@ class HFGenerator:
         if self.packed is not None:
             self.packed.clear()
 
+    def sleep(self) -> None:
+        """Nothing to give back: generation runs on the training model itself."""
+
+    def wake_up(self) -> None:
+        """Nothing was given back."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         sampler_args = None
         if params.temperature is not None:

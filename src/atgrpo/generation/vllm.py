@@ -88,6 +88,7 @@ class VLLMSettings:
     seed: int
     lora_rank: int = 0  # the largest adapter rank on this engine; 0: no LoRA
     num_adapters: int = 0
+    sleep_mode: bool = False  # vLLM's sleep mode (CUDA only): sleep() during each update
 
 
 def lora_rank_slot(rank: int) -> int:
@@ -143,8 +144,11 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",  # of the sampled distribution (docstring)
                 generation_config="vllm",  # no defaults (nor a max_new_tokens cap) from the model
                 enable_prefix_caching=True,  # the K samples of a prompt share its prefill
+                enable_sleep_mode=settings.sleep_mode,
                 **lora,
             )
+        self.sleep_mode = settings.sleep_mode
+        self.asleep = False
         self.max_model_len = settings.max_model_len
         self._adapters = tempfile.TemporaryDirectory(prefix="atgrpo-vllm-adapters-")
         self.adapter_dir = Path(self._adapters.name)  # removed with the engine
@@ -159,10 +163,12 @@ class VLLMEngine:
         lora: Any | None = None,
     ) -> list[tuple[list[int], list[float], bool]]:
         """(token ids, sampled log-probs, ended with a stop id) per prompt, in order."""
-        from vllm.inputs import TokensPrompt
-
+        if self.asleep:
+            raise RuntimeError("the vLLM engine is asleep: wake_up() comes before a rollout")
         if not prompts:
             return []
+        from vllm.inputs import TokensPrompt
+
         sample = params.temperature is not None
         if params.temperature is not None:
             check_sampling(params.temperature, params.top_k, params.top_p)
@@ -189,6 +195,22 @@ class VLLMEngine:
             )
             results.append((tokens, logprobs, completion.finish_reason == "stop"))
         return results
+
+    def sleep(self) -> None:
+        """Sleep mode, level 1 (when started with it): the weights go to CPU memory and the
+        cache is dropped, so the update has the GPU; once however many generators share it."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """The weights back on the GPU and a new, empty cache (no cached prefix survives)."""
+        if not self.asleep:
+            return
+        self.llm.wake_up()
+        self.asleep = False
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache over a sleep")
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named weights into the engine's model and forget the cached prefixes."""
@@ -250,6 +272,12 @@ class VLLMGenerator:
             )
             for tokens, logprobs, finished in outs
         ]
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def sync_weights(self) -> None:
         """Push the policy's current weights (or its adapter) into the engine."""

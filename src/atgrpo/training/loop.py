@@ -114,8 +114,18 @@ def update_policies(rt: Runtime, samples: list[Sample]) -> dict[str, UpdateStats
     return {pid: update.result() for pid, update in started.items()}
 
 
+def sleep_engines(rt: Runtime) -> None:
+    """Before the update: every rollout engine gives back the device memory it holds (vLLM's
+    sleep mode; a no-op for the HF engine)."""
+    for generator in rt.generators.values():
+        generator.sleep()
+
+
 def sync_engines(rt: Runtime, updates: dict[str, UpdateStats]) -> None:
-    """Every policy that stepped: its rollout engine samples from the new weights (vLLM)."""
+    """After the update: every engine wakes, then every policy that stepped has its engine
+    sample from the new weights (vLLM)."""
+    for generator in rt.generators.values():
+        generator.wake_up()
     for pid, stats in updates.items():
         if not stats.skipped:
             rt.generators[pid].sync_weights()
@@ -209,6 +219,7 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
         with stages.time("rollout"):
             refill(rt, step, batch)  # algo.filter_refill: more tasks while too few kept a group
         with stages.time("update"):
+            sleep_engines(rt)  # vLLM's sleep mode: the update has the GPU
             updates = update_policies(rt, batch.samples)
             with stages.time("sync"):
                 sync_engines(rt, updates)
