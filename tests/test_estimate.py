@@ -67,6 +67,16 @@ def test_tiny_update_and_rollout_by_hand() -> None:
     assert found.fits
 
 
+def test_vllm_share_sleeps_through_the_update_on_a_gpu() -> None:
+    # 0.3 x 80 GiB = 24 GiB reserved for the rollout; asleep (auto on a GPU) in the update
+    awake, asleep = (
+        estimate(load_config(TINY, ["rollout.engine=vllm", *extra]), memory_bytes=80 * GIB)
+        for extra in (["rollout.vllm.sleep_mode=false"], [])
+    )
+    assert [row.parts.cache for row in awake.rows] == [int(0.3 * 80 * GIB)] * 3
+    assert [row.parts.cache for row in asleep.rows] == [int(0.3 * 80 * GIB), 0, 0]
+
+
 def test_auto_rule_is_the_engine_rule() -> None:
     # 10 rows of 100 bytes on a device of 1,000 bytes holding 300: (500 - 300) // 100 = 2
     assert memory.rows_for_budget(10, 100, 1_000, 300) == 2

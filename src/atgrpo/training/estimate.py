@@ -31,6 +31,7 @@ from atgrpo.config import (
 )
 from atgrpo.generation import memory
 from atgrpo.models import DEFAULT_MODEL, TINY_MODEL, resolve_model_path
+from atgrpo.policies import sleep_engine
 
 GIB = 2**30
 # A CPU process's resident memory before any model: Python, torch, transformers and atgrpo
@@ -278,11 +279,15 @@ def _group_parts(
         state.rollout_copy = copy_bytes * shape.params
         state.other += 2 * 4 * shape.layer_params  # its weights and, in backward, gradients
     vllm = cfg.rollout.engine is RolloutEngine.VLLM
-    if vllm:  # reserved from the engine's start on: weights and key/value cache
-        state.cache = int(cfg.rollout.vllm.gpu_memory_utilization * memory_bytes)
-    # rollout: the HF engine's generate call under rollout.generation_batch_size
+    share = int(cfg.rollout.vllm.gpu_memory_utilization * memory_bytes)
+    device = torch.device("cuda" if on_gpu else "cpu")
+    if vllm and not sleep_engine(cfg.rollout.vllm.sleep_mode, device):
+        state.cache = share  # weights and key/value cache, held through the update too
+    # rollout: vLLM's share (awake), or the HF engine's call under generation_batch_size
     rollout = dataclasses.replace(state)
-    if not vllm:
+    if vllm:
+        rollout.cache = share
+    else:
         rollout.cache = _generate_call_bytes(cfg, group, shape, memory_bytes, copy_bytes, shard)
     # update: one micro-batch's activations and one log-prob chunk
     update = dataclasses.replace(state)
@@ -382,6 +387,8 @@ def knobs(cfg: Config) -> Iterator[list[str]]:
         size //= 2
         yield [f"train.micro_batch_size={size}"]
     if cfg.rollout.engine is RolloutEngine.VLLM:
+        if cfg.rollout.vllm.sleep_mode is False:  # the engine sleeps through each update
+            yield ["rollout.vllm.sleep_mode=auto"]
         for less in (0.2, 0.1):
             if less < cfg.rollout.vllm.gpu_memory_utilization:
                 yield [f"rollout.vllm.gpu_memory_utilization={less}"]
