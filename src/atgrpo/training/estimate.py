@@ -128,7 +128,7 @@ def activation_bytes_per_token_layer(config: Any, dtype_bytes: int) -> int:
 
 @dataclasses.dataclass
 class Parts:
-    """Bytes one rank holds in one phase, by kind (docs/cluster.md's memory table)."""
+    """Bytes one rank holds in one phase, by kind (docs/cluster.md, "Memory per device")."""
 
     weights: int = 0
     grads: int = 0
@@ -158,6 +158,8 @@ class Group:
 
 @dataclasses.dataclass
 class Row:
+    """One rank of ``group`` in one phase, on ``device`` ("local": the one process)."""
+
     device: str
     group: Group
     phase: str
@@ -167,6 +169,8 @@ class Row:
 
 @dataclasses.dataclass
 class Estimate:
+    """Every group's rows, what they are measured against, and the disk a checkpoint takes."""
+
     rows: list[Row]
     memory: int  # bytes a device has
     memory_source: str
@@ -220,7 +224,7 @@ def _max_new_tokens(cfg: Config) -> int:
     return max([rollout.max_new_tokens, *rollout.max_new_tokens_per_agent.values(), *per_agent])
 
 
-def estimate(cfg: Config, memory_bytes: int | None = None, gpus: int | None = None) -> Estimate:
+def estimate(cfg: Config, memory_bytes: int | None = None) -> Estimate:
     """The memory ``cfg`` needs per device and phase; ``memory_bytes`` (a GPU's) or this
     machine's device (:func:`atgrpo.models.default_device`: a GPU's memory, else the RAM)."""
     on_gpu = memory_bytes is not None or torch.cuda.is_available()
@@ -283,14 +287,15 @@ def _group_parts(
     device = torch.device("cuda" if on_gpu else "cpu")
     if vllm and not sleep_engine(cfg.rollout.vllm.sleep_mode, device):
         state.cache = share  # weights and key/value cache, held through the update too
+    update = dataclasses.replace(state)
+    state.grads = 0  # freed after each update (zero_grad(set_to_none=True))
     # rollout: vLLM's share (awake), or the HF engine's call under generation_batch_size
     rollout = dataclasses.replace(state)
     if vllm:
         rollout.cache = share
     else:
         rollout.cache = _generate_call_bytes(cfg, group, shape, memory_bytes, copy_bytes, shard)
-    # update: one micro-batch's activations and one log-prob chunk
-    update = dataclasses.replace(state)
+    # update: the gradients, one micro-batch's activations and one log-prob chunk
     new = _max_new_tokens(cfg)
     rows = math.ceil(cfg.rollout.num_tasks * cfg.rollout.num_generations / ranks)
     micro_batch = min(cfg.train.micro_batch_size, rows)  # no more sequences than the rank has
