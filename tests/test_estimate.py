@@ -178,6 +178,10 @@ def _measured_and_estimated(config: str, overrides: list[str]) -> tuple[int, int
     return peak, found.device_totals()[("local", "update")] - CPU_PROCESS_BYTES + baseline
 
 
+# Slow tier: a fresh process's resident memory before any model (ru_maxrss after the imports)
+# ranged 0.33-0.64 GiB between venvs and runs on one machine, most of the tiny update's peak,
+# so in the default tier the bound would test that noise, not the formulas.
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt_tokens", [512, 2048])
 def test_estimate_within_25_percent_of_a_measured_update(prompt_tokens: int) -> None:
     """One tiny update in a fresh process, against the update phase's estimate on CPU. The
