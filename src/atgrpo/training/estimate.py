@@ -296,6 +296,15 @@ def _group_parts(
     else:
         rollout.cache = _generate_call_bytes(cfg, group, shape, memory_bytes, copy_bytes, shard)
     # update: the gradients, one micro-batch's activations and one log-prob chunk
+    _add_update_activations(cfg, update, shape, ranks, bf16)
+    return {"rollout": rollout, "update": update, "checkpoint": state}
+
+
+def _add_update_activations(
+    cfg: Config, update: Parts, shape: Shape, ranks: int, bf16: bool
+) -> None:
+    """One micro-batch's activations (with and without gradient checkpointing) and one log-prob
+    chunk's logits, onto ``update``."""
     new = _max_new_tokens(cfg)
     rows = math.ceil(cfg.rollout.num_tasks * cfg.rollout.num_generations / ranks)
     micro_batch = min(cfg.train.micro_batch_size, rows)  # no more sequences than the rank has
@@ -315,7 +324,6 @@ def _group_parts(
     )
     chunk = min(cfg.train.logprob_chunk_tokens, micro_batch * new)
     update.logits = _LOGIT_COPIES * 4 * chunk * config.vocab_size
-    return {"rollout": rollout, "update": update, "checkpoint": state}
 
 
 def _generate_call_bytes(
