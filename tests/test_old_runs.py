@@ -92,3 +92,33 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused(
     write_manifest(folder)
     assert main(["train", config, *common, "train.steps=2", "--resume"]) == 2
     assert str(rng) in capsys.readouterr().err and not marker.exists()
+
+
+def test_a_sharded_checkpoint_whose_metadata_would_run_code_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from atgrpo.checkpoint.steps import write_manifest
+    from atgrpo.cli import main
+
+    cfg = _copy(tmp_path)
+    folder = cfg.run_dir / "checkpoints" / "step-000001"
+    marker = tmp_path / "ran"
+    metadata = folder / "policy-tool" / "sharded" / ".metadata"
+    metadata.parent.mkdir()
+    # DCP's metadata object, with code where its planner's data would be
+    metadata.write_bytes(pickle.dumps(Metadata({}, planner_data=_RunsCode(marker))))
+    (folder / "manifest.json").unlink()
+    write_manifest(folder)  # as its author would: the manifest matches the files
+    common = [f"run.output_dir={tmp_path}", "run.name=old-layout", "rollout.max_new_tokens=8"]
+    config = str(REPO / "configs" / "tiny-lora.yaml")
+    evaluate_it = ["eval", config, *common, "--checkpoint", str(cfg.run_dir), "--num-tasks", "1"]
+    for argv in (["train", config, *common, "train.steps=2", "--resume"], evaluate_it):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(metadata) in err[0], err
+        assert "(it names pathlib.Path.touch); refusing to load it" in err[0]
+        assert not marker.exists()

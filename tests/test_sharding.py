@@ -68,6 +68,70 @@ def test_decoder_layers_are_found_bare_and_inside_peft() -> None:
         decoder_layers(torch.nn.Linear(2, 2))
 
 
+class _RunsCode:
+    """Unpickling this calls ``Path.touch`` on a marker: a stand-in for any code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (Path.touch, (str(self.marker),))  # type: ignore[return-value]
+
+
+def _stepped(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model after one AdamW step: weights, moments and learning rate set by ``seed``."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_shards_load_without_unpickling_code(tmp_path: Path) -> None:
+    import pickle
+    import re
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from atgrpo.checkpoint import CheckpointError
+    from atgrpo.checkpoint.shards import load_shards
+
+    saved = _stepped(0)
+    model_sd, optim_sd = get_state_dict(*saved)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "ok", no_dist=True)
+    model, optimizer = _stepped(1)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    load_shards(state, tmp_path / "ok", no_dist=True)  # the metadata with the allow-list
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    for got, want in zip(model.parameters(), saved[0].parameters(), strict=True):
+        assert torch.equal(got, want)
+        assert torch.equal(optimizer.state[got]["exp_avg"], saved[1].state[want]["exp_avg"])
+    assert optimizer.param_groups[0]["lr"] == 1e-3  # a non-tensor value, read as plain data
+
+    # A non-tensor value whose pickle would run code (DCP's own planner would unpickle it).
+    marker = tmp_path / "ran"
+    dcp.save({"x": _RunsCode(marker)}, checkpoint_id=tmp_path / "bad", no_dist=True)
+    shard = str(tmp_path / "bad" / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"could run code \(it names getattr\)") as refused:
+        load_shards({"x": 0}, tmp_path / "bad", no_dist=True)
+    assert str(refused.value).startswith(f"{shard} holds pickled objects") and not marker.exists()
+
+    # Metadata that sends the reader to a file outside its folder.
+    path = tmp_path / "ok" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # written above by this test
+    for info in metadata.storage_data.values():
+        info.relative_path = "../bad/__0_0.distcp"
+    path.write_bytes(pickle.dumps(metadata))
+    outside = re.escape("names '../bad/__0_0.distcp', no shard file beside it")
+    with pytest.raises(CheckpointError, match=outside):
+        load_shards(state, tmp_path / "ok", no_dist=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tier scale: Ray, two gloo ranks
 

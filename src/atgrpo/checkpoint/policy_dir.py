@@ -150,6 +150,10 @@ def policy_dir(checkpoint: Path, policy_id: str) -> Path:
         raise FileNotFoundError(
             f"checkpoint {checkpoint} has no policy {policy_id!r} (it has: {', '.join(saved)})"
         )
+    if (path / SHARDED_DIR).is_dir():  # read before anything loads, evaluation included
+        from atgrpo.checkpoint.shards import read_metadata
+
+        read_metadata(path / SHARDED_DIR)  # a crafted one is refused: nothing in it runs
     return path
 
 
@@ -233,13 +237,14 @@ def _save_sharded(policy: Policy, out: Path, rank: int) -> None:
 def _load_sharded(folder: Path, policy: Policy) -> None:
     """Any layout: the shards of N ranks onto M ranks of a sharded group, or into one process."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    from atgrpo.checkpoint.shards import load_shards
 
     model_sd, optim_sd = _trainable_state(policy)
     state = {"model": model_sd, "optim": optim_sd}
     alone = not (dist.is_available() and dist.is_initialized())  # one process: no collectives
-    dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR), no_dist=alone)
+    load_shards(state, folder / SHARDED_DIR, no_dist=alone)  # no pickled code runs
     set_state_dict(
         policy.model,
         policy.optimizer,

@@ -119,12 +119,20 @@ def load_torch(path: Path) -> Any:
         with torch.serialization.safe_globals(_NUMPY_STATE):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = f"it names {found.group(1)}" if found else "it is no plain torch file"
-        raise CheckpointError(
-            f"{path} holds pickled objects beyond tensors and plain data, which could run code "
-            f"({what}); refusing to load it: resume or evaluate a checkpoint atgrpo wrote"
-        ) from None
+        raise pickle_refused(path, exc) from None
+
+
+def pickle_refused(
+    path: Path, exc: pickle.UnpicklingError, allowed: str = "tensors and plain data"
+) -> CheckpointError:
+    """The one line that refuses ``path``, a pickle in a checkpoint that names more than
+    ``allowed`` (``exc``: torch's weights-only unpickler's error, or one worded as it is)."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    what = f"it names {found.group(1)}" if found else "it is no plain torch file"
+    return CheckpointError(
+        f"{path} holds pickled objects beyond {allowed}, which could run code ({what}); "
+        "refusing to load it: resume or evaluate a checkpoint atgrpo wrote"
+    )
 
 
 def save_checkpoint(
