@@ -3,9 +3,10 @@
 The one on-disk format of a run's checkpoints: :mod:`~atgrpo.checkpoint.steps` writes and
 verifies the ``step-N/`` folders (atomic rename, manifest, ``latest``, resume and rewind),
 :mod:`~atgrpo.checkpoint.policy_dir` each policy's ``policy-<id>/`` inside one (whole model,
-LoRA adapter, or the shards of a sharded policy). Every policy is saved and restored by its
-id, so a checkpoint can be evaluated with another routing (the swapped-roles ablation:
-``routing.tool=planner routing.planner=tool``).
+LoRA adapter, or the shards of a sharded policy, which :mod:`~atgrpo.checkpoint.shards` reads
+without unpickling code). Every policy is saved and restored by its id, so a checkpoint can be
+evaluated with another routing (the swapped-roles ablation: ``routing.tool=planner
+routing.planner=tool``).
 """
 
 from atgrpo.checkpoint.policy_dir import (

@@ -32,9 +32,10 @@ from atgrpo.checkpoint.steps import CheckpointError, pickle_refused
 
 METADATA_FILE = ".metadata"  # DCP's name for it (filesystem._metadata_fn)
 
-# Everything a DCP metadata pickle names (torch 2.4-2.13): its dataclasses, the tensor shapes,
-# layouts and memory formats they hold, and the checkpoint's path. torch dtypes are allowed by
-# name in _find_class. Each of these only builds data when called or restored.
+# Everything the metadata pickle of torch 2.13's DCP names: its dataclasses, the tensor shapes,
+# layouts and memory formats they hold, and the checkpoint's path; torch dtypes are allowed by
+# name in find_class. Each of these only builds data when called or restored. A torch that
+# pickles more is refused, naming what (test_sharding.py saves and reads one back).
 _ALLOWED: dict[str, Any] = {
     f"{obj.__module__}.{obj.__qualname__}": obj
     for obj in (
