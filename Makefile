@@ -15,10 +15,13 @@ $(VENV)/.torch:
 
 # A C++ compiler builds atgrpo's CPU kernels for decoding (atgrpo.generation.cpu_kernels) at
 # first use; Debian's g++ where none is installed and apt can add it (else generation warns once
-# and runs without the kernels).
+# and runs without the kernels). libseccomp compiles the seccomp filter of every sandboxed program
+# (through pyseccomp): Debian's libseccomp2 where it is missing (without it the sandbox refuses).
 $(VENV)/.base: $(VENV)/.torch pyproject.toml
 	command -v $${CXX:-c++} >/dev/null || ! command -v apt-get >/dev/null || [ "$$(id -u)" != 0 ] \
 		|| (apt-get update -qq && apt-get install -y -qq g++)
+	ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2 ' || ! command -v apt-get >/dev/null \
+		|| [ "$$(id -u)" != 0 ] || (apt-get update -qq && apt-get install -y -qq libseccomp2)
 	$(PIP) install -e .
 	touch $@
 

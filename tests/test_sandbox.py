@@ -40,6 +40,7 @@ from atgrpo.sandbox import (
     SandboxWarning,
     run_many,
     run_python,
+    seccomp,
 )
 
 FAST = SandboxLimits(wall_time_s=2.0, cpu_time_s=2)
@@ -873,3 +874,235 @@ print(run_python("print(3)").stdout.strip())
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.stdout.split() == ["1", "2", "3"], done.stderr
+
+
+# --- the seccomp filter: the kernel's riskiest interfaces fail ---------------------------------
+
+AT_FDCWD, NO_FD, NO_PID = 0xFFFFFF9C, 0xFFFFFFFF, 0x7FFFFFFF
+CLONE_THREAD, CLONE_PTRACE = 0x10000, 0x2000
+# Per group of seccomp.GROUPS, the calls (name, args) the filter must deny. Their arguments are
+# such that the kernel itself would refuse them with another errno (EFAULT for a NULL pointer,
+# EBADF, EINVAL for bad flags, ESRCH, ENOENT) or carry them out harmlessly (settimeofday with
+# nothing to set, personality), even for root: EPERM is the filter's (see
+# test_the_filter_alone_denies_each_group_to_root).
+HOSTILE_CALLS: dict[str, list[tuple[str, tuple[int | bytes, ...]]]] = {
+    "io_uring": [
+        ("io_uring_setup", (1, 0)),
+        ("io_uring_enter", (NO_FD, 0, 0, 0, 0, 0)),
+        ("io_uring_register", (NO_FD, 0, 0, 0)),
+    ],
+    "userfaultfd": [("userfaultfd", (0x3,))],  # UFFD_USER_MODE_ONLY and a flag that is none
+    "perf_event_open": [("perf_event_open", (0, 0, NO_FD, NO_FD, 0))],
+    "bpf": [("bpf", (9999, 0, 0))],
+    "keyrings": [
+        ("keyctl", (99999, 0, 0, 0, 0)),
+        ("add_key", (0, 0, 0, 0, 0)),
+        ("request_key", (0, 0, 0, 0)),
+    ],
+    "kexec": [("kexec_load", (0, 0, 0, 0x100)), ("kexec_file_load", (NO_FD, NO_FD, 0, 0, 0x100))],
+    "kernel_modules": [
+        ("init_module", (0, 0, 0)),
+        ("finit_module", (NO_FD, 0, 0)),
+        ("delete_module", (0, 0)),
+    ],
+    "other_processes": [
+        ("ptrace", (2, NO_PID, 0, 0)),  # PTRACE_PEEKDATA
+        ("process_vm_readv", (NO_PID, 0, 0, 0, 0, 1)),
+        ("process_vm_writev", (NO_PID, 0, 0, 0, 0, 1)),
+        ("kcmp", (NO_PID, NO_PID, 0, 0, 0)),
+        ("pidfd_getfd", (NO_FD, 0, 0)),
+        ("process_madvise", (NO_FD, 0, 0, 0, 0)),
+    ],
+    "file_handles": [
+        ("open_by_handle_at", (AT_FDCWD, 0, 0)),
+        ("name_to_handle_at", (AT_FDCWD, 0, 0, 0, 0)),
+    ],
+    "namespaces": [
+        ("unshare", (0x10000000 | CLONE_PTRACE,)),  # CLONE_NEWUSER and a flag unshare refuses
+        ("setns", (NO_FD, 0)),
+        *[("clone", (flag | CLONE_THREAD, 0, 0, 0, 0)) for flag in seccomp.CLONE_NEW_FLAGS],
+        ("clone3", (0, 0)),
+    ],
+    "mounts": [
+        ("mount", (0, 0, 0, 0, 0)),
+        ("umount2", (0, 0)),
+        ("pivot_root", (0, 0)),
+        ("fsopen", (0, 0)),
+        ("fsconfig", (NO_FD, 0, 0, 0, 0)),
+        ("fsmount", (NO_FD, 0, 0)),
+        ("fspick", (NO_FD, 0, 0)),
+        ("move_mount", (NO_FD, 0, NO_FD, 0, 0)),
+        ("open_tree", (NO_FD, 0, 0)),
+        ("mount_setattr", (NO_FD, 0, 0, 0, 0)),
+    ],
+    "system": [
+        ("reboot", (0, 0, 0, 0)),  # no magic numbers
+        ("swapon", (0, 0)),
+        ("swapoff", (0,)),
+        ("acct", (b"/nonexistent-atgrpo-acct",)),
+        ("quotactl", (0, 0, 0, 0)),
+        ("quotactl_fd", (NO_FD, 0, 0, 0)),
+        ("settimeofday", (0, 0)),
+        ("clock_settime", (999, 0)),
+        ("syslog", (9999, 0, 0)),
+        ("iopl", (4,)),
+        ("ioperm", (0x10000, 1, 1)),
+        ("fanotify_init", (0x80000000, 0)),
+    ],
+    "personality": [
+        ("personality", (0x0040000,)),  # ADDR_NO_RANDOMIZE: no address space randomisation
+        ("personality", (0x0400000,)),  # READ_IMPLIES_EXEC
+        ("personality", (0x0008 | 0x0040000,)),
+    ],
+    "sockets": [
+        ("socket", (38, 5, 0)),  # AF_ALG, SOCK_SEQPACKET
+        ("socket", (40, 1, 0)),  # AF_VSOCK, SOCK_STREAM
+        ("socket", (40 | 1 << 32, 1, 0)),  # the kernel reads an int: the high half is ignored
+    ],
+}
+
+
+def _syscall_program(calls: list[tuple[str, tuple[int | bytes, ...]]]) -> str:
+    """A program making each call with ctypes' syscall(); it prints "name ERRNO" per call
+    ("name allowed" where it succeeded)."""
+    import pyseccomp
+
+    numbered = [
+        (name, pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name), args) for name, args in calls
+    ]
+    return f"""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+for name, number, args in {numbered!r}:
+    ctypes.set_errno(0)
+    args = [ctypes.c_char_p(a) if isinstance(a, bytes) else ctypes.c_ulong(a) for a in args]
+    failed = libc.syscall(number, *args) == -1
+    print(name, errno.errorcode[ctypes.get_errno()] if failed else "allowed")
+"""
+
+
+def _denied_lines(calls: list[tuple[str, tuple[int | bytes, ...]]]) -> list[str]:
+    return [f"{name} {'ENOSYS' if name == 'clone3' else 'EPERM'}" for name, _ in calls]
+
+
+def test_every_denied_syscall_has_a_hostile_call() -> None:
+    assert list(HOSTILE_CALLS) == list(seccomp.GROUPS)
+    called = {name for calls in HOSTILE_CALLS.values() for name, _ in calls}
+    assert {name for names in seccomp.DENIED.values() for name in names} <= called
+
+
+@pytest.mark.parametrize("group", seccomp.GROUPS)
+def test_a_denied_syscall_fails_with_eperm(backend: Backend, group: str) -> None:
+    r = run_python(_syscall_program(HOSTILE_CALLS[group]), FAST)
+    assert r.status is ExitStatus.OK, r.stderr
+    assert r.stdout.splitlines() == _denied_lines(HOSTILE_CALLS[group])
+
+
+@needs_root
+@pytest.mark.parametrize("group", seccomp.GROUPS)
+def test_the_filter_alone_denies_each_group_to_root(group: str) -> None:
+    """The same calls as root, outside the sandbox, with only the loader: a root process has
+    every capability, so the kernel would have answered them otherwise; EPERM is the filter's."""
+    program = _syscall_program(HOSTILE_CALLS[group])
+    with sandbox._filter_pipe() as fd:
+        argv = [*seccomp.loader_argv(sys.executable, fd), sys.executable, "-I", "-c", program]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=60, pass_fds=(fd,), check=False
+        )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == _denied_lines(HOSTILE_CALLS[group])
+
+
+def test_the_filter_is_loaded_before_the_program_starts(backend: Backend) -> None:
+    """Seccomp mode 2 with one filter and no_new_privs from the program's first line; the pipe
+    that brought the filter is closed."""
+    code = """
+import os
+status = dict(line.split(":\\t") for line in open("/proc/self/status").read().splitlines())
+print(status["Seccomp"], status["Seccomp_filters"], status["NoNewPrivs"])
+print(*sorted(int(fd) for fd in os.listdir("/proc/self/fd")))
+"""
+    r = run_python(code, FAST)
+    assert r.status is ExitStatus.OK, r.stderr
+    # stdin, stdout, stderr and the listing's own
+    assert r.stdout.splitlines() == ["2 1 1", "0 1 2 3"]
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="i386 machine code")
+def test_a_syscall_through_the_i386_abi_is_denied(backend: Backend) -> None:
+    """io_uring_setup through `int 0x80` (the i386 table, which a filter on x86_64's numbers
+    would not see): EPERM, not the EFAULT the kernel gives its NULL argument."""
+    code = """
+import ctypes, mmap
+# push rbx; mov eax, 425 (io_uring_setup); mov ebx, 1; xor ecx, ecx; int 0x80; pop rbx; ret
+machine_code = bytes.fromhex("53b8a9010000bb0100000031c9cd805bc3")
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(machine_code)
+address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+print(ctypes.CFUNCTYPE(ctypes.c_int)(address)())
+"""
+    r = run_python(code, FAST)
+    assert r.status is ExitStatus.OK, r.stderr
+    assert r.stdout == f"{-errno.EPERM}\n"
+
+
+def test_what_ordinary_programs_call_still_works(backend: Backend) -> None:
+    """The controls: threads (clone3 falls back to clone), fork, subprocesses, an inet socket,
+    the personality query, and numpy and sympy at work."""
+    code = """
+import ctypes, os, socket, subprocess, sys, threading
+import numpy, sympy
+threading.Thread(target=print, args=("thread",)).start()
+pid = os.fork()
+if pid == 0:
+    os._exit(3)
+print("fork", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+print(subprocess.run([sys.executable, "-c", "print('child')"], capture_output=True).stdout)
+socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()
+print("personality", ctypes.CDLL(None).personality(0xFFFFFFFF))
+print(numpy.linalg.solve(numpy.array([[2.0, 1], [1, 3]]), [3, 5]).round(3).tolist())
+print(sympy.integrate(sympy.Symbol("x") ** 2, (sympy.Symbol("x"), 0, 3)))
+"""
+    r = run_python(code, SandboxLimits(wall_time_s=60.0, cpu_time_s=60))
+    assert r.status is ExitStatus.OK, r.stderr
+    lines = ["thread", "fork 3", "b'child\\n'", "personality 0", "[0.8, 1.4]", "9"]
+    assert r.stdout.splitlines() == lines
+
+
+def test_a_filter_the_kernel_refuses_stops_the_launch(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No program runs without its filter: a BPF program the kernel rejects (one load, no
+    return) is a launch failure, on both backends."""
+    sandbox._get_launcher()  # set up with the real filter first
+    monkeypatch.setattr(seccomp, "program", lambda: bytes(8))
+    r = run_python("print('ran')", FAST)
+    assert r.status is ExitStatus.LAUNCH_FAILED, r
+    assert "ran" not in r.stdout
+    assert "seccomp" in r.stderr.lower(), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("missing", "install"),
+    [("pyseccomp", "pip install pyseccomp"), ("libseccomp", "apt-get install libseccomp2")],
+)
+def test_without_libseccomp_the_sandbox_names_what_to_install(
+    missing: str, install: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ctypes.util
+
+    monkeypatch.delitem(sys.modules, "pyseccomp")
+    if missing == "pyseccomp":
+        monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import fails
+    else:
+        find = ctypes.util.find_library
+        monkeypatch.setattr(
+            ctypes.util, "find_library", lambda name: None if name == "seccomp" else find(name)
+        )
+    seccomp.program.cache_clear()
+    try:
+        with pytest.raises(SandboxSetupError, match=install) as raised:
+            sandbox._build_launcher.__wrapped__(IS_ROOT, Backend.UNSHARE)
+        assert "\n" not in str(raised.value)
+    finally:
+        seccomp.program.cache_clear()

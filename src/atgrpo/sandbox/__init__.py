@@ -7,8 +7,10 @@ but RL finds whatever earns reward, and a model can emit anything: infinite loop
 fork bombs, gigabytes of output, code that fills the disk, kills its parent, reads the trainer's
 environment (API keys) or files (the benchmark answers inside installed packages), calls the
 network, or writes outside its directory. The sandbox keeps the trainer, the machine, its
-secrets and the answers away from such programs. It is not a defence against a determined
-attacker: there is no seccomp filter, so a kernel exploit escapes. The table of what a program
+secrets and the answers away from such programs. A seccomp filter (:mod:`atgrpo.sandbox.seccomp`)
+denies the kernel interfaces container sandboxes deny (io_uring, bpf, userfaultfd, new
+namespaces, mounts, ...), but a kernel bug behind an allowed syscall still escapes: it is not a
+defence against a determined attacker. The table of what a program
 can and cannot see, reach, exhaust or leave behind, each row with its test, is in
 docs/faults.md ("The sandbox").
 
@@ -19,12 +21,14 @@ Each program is launched as::
     setpriv --pdeathsig KILL -- unshare --net --pid --ipc --uts --mount --fork --kill-child
       -- sh -c <mount step> <its args> unshare --root <its root> --wd /sandbox
       -- setpriv --reuid 65534 --regid 65534 --clear-groups --inh-caps -all --bounding-set -all
-         --no-new-privs -- prlimit <limits> -- python -I -B -u prog.py
+         --no-new-privs -- prlimit <limits> -- python -I -S -B -c <loader> FD
+      -- python -I -B -u prog.py
 
 where the mount step (``_MOUNT_SCRIPT``), a short shell script run as root inside the new
 namespaces, joins the program's control group, mounts its root (one ``mount -a`` of a table
 written per run) and copies the program in; ``unshare --root`` then changes the root directory
-to it before the uid drop.
+to it before the uid drop. The loader (``seccomp.LOADER``) loads the seccomp filter, which
+the launch passes on a pipe (FD), and execs the interpreter that runs the program.
 
 - file system: a root of its own (:mod:`atgrpo.sandbox.root`), built from a list. It holds the
   interpreter, its standard library, the shared libraries these and the launch tools load, the
@@ -53,9 +57,10 @@ to it before the uid drop.
 With ``ATGRPO_SANDBOX=bwrap`` in the environment (and ``bwrap`` installed: Debian's bubblewrap)
 ``bwrap`` makes the namespaces and the same root instead of unshare, the mount step and
 ``unshare --root`` (a shell joins the control group before it), with the same uid drop and
-rlimits after it. The differences: /dev is bubblewrap's minimal one (also tty, pts and the fd
-links); the work dir is root's but open to all (bwrap cannot chown); the tmpfs have no cap on
-their number of files; PWD is set. bubblewrap is never required; asking for it where it does
+rlimits after it; bwrap loads the seccomp filter itself (``--seccomp FD``, just before the uid
+drop). The differences: /dev is bubblewrap's minimal one (also tty, pts and the fd links); the
+work dir is root's but open to all (bwrap cannot chown); the tmpfs have no cap on their number
+of files; PWD is set. bubblewrap is never required; asking for it where it does
 not work, or is not installed, is a ``SandboxSetupError``.
 
 What is not isolated
@@ -103,6 +108,7 @@ import atexit
 import contextlib
 import dataclasses
 import enum
+import fcntl
 import functools
 import os
 import resource
@@ -116,12 +122,12 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO
 
-from atgrpo.sandbox import cgroups
+from atgrpo.sandbox import cgroups, seccomp
 from atgrpo.sandbox import root as roots
 from atgrpo.sandbox.root import DEFAULT_PACKAGES
 
@@ -340,6 +346,10 @@ def _build_launcher(as_root: bool, backend: Backend) -> _Launcher:
     if not sys.platform.startswith("linux"):
         raise SandboxSetupError(f"the sandbox needs Linux (util-linux), not {sys.platform}")
     setpriv, prlimit = _require_tool("setpriv"), _require_tool("prlimit")
+    try:
+        seccomp.program()  # every launcher runs programs under it: no filter, no sandbox
+    except seccomp.SeccompError as exc:
+        raise SandboxSetupError(str(exc)) from None
     outer = (setpriv, "--pdeathsig", "KILL", "--")
     if not as_root:
         if backend is Backend.BWRAP:
@@ -513,8 +523,9 @@ def _probe_program(launcher: _Launcher, code: str) -> tuple[str, str | None]:
     limits = SandboxLimits(packages=())
     root_dir = tempfile.mkdtemp(prefix="atgrpo-sandbox-probe-")
     try:
-        argv, cwd, env = _prepare(root_dir, code, launcher, limits, None)
-        return _probe(argv, cwd=cwd, env=env)
+        with _filter_pipe() as filter_fd:
+            argv, cwd, env = _prepare(root_dir, code, launcher, limits, None, filter_fd)
+            return _probe(argv, cwd=cwd, env=env, pass_fds=(filter_fd,))
     except (OSError, roots.RootError) as exc:
         return "", str(exc)
     finally:
@@ -526,7 +537,10 @@ def _first_word(text: str) -> str:
 
 
 def _probe(
-    argv: list[str], cwd: str = "/", env: dict[str, str] | None = None
+    argv: list[str],
+    cwd: str = "/",
+    env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> tuple[str, str | None]:
     """Run a trusted command like a sandboxed one: (stdout, None) or (stdout, problem)."""
     try:
@@ -536,6 +550,7 @@ def _probe(
             capture_output=True,
             cwd=cwd,
             env=env if env is not None else _clean_env(cwd),
+            pass_fds=pass_fds,
             timeout=_PROBE_TIMEOUT_S,
             text=True,
             errors="replace",
@@ -596,8 +611,9 @@ def _launch(
         tempfile.TemporaryFile() as out,  # unnamed: the program reaches them only by its fds
         tempfile.TemporaryFile() as err,
         tempfile.TemporaryFile() as inp,
+        _filter_pipe() as filter_fd,
     ):
-        argv, cwd, env = _prepare(root_dir, code, launcher, limits, group)
+        argv, cwd, env = _prepare(root_dir, code, launcher, limits, group, filter_fd)
         inp.write(stdin.encode("utf-8", errors="surrogatepass"))
         inp.seek(0)
         try:
@@ -608,6 +624,7 @@ def _launch(
                 stderr=err,
                 cwd=cwd,
                 env=env,
+                pass_fds=(filter_fd,),
                 start_new_session=True,  # own process group, no controlling terminal
             )
         except OSError as exc:
@@ -635,18 +652,25 @@ def _prepare(
     launcher: _Launcher,
     limits: SandboxLimits,
     group: cgroups.Group | None,
+    filter_fd: int,
 ) -> tuple[list[str], str, dict[str, str]]:
-    """Write what the launch reads under ``root_dir``: (argv, cwd, env) of the launch."""
-    program = [
-        *launcher.drop,
-        launcher.prlimit,
-        *_prlimit_args(limits, grouped=group is not None),
-        "--",
+    """Write what the launch reads under ``root_dir``: (argv, cwd, env) of the launch, which
+    reads the seccomp filter from ``filter_fd``."""
+    interpreter = [
         launcher.python,
         "-I",  # isolated: ignore PYTHON* variables, user site-packages and the cwd
         "-B",  # write no .pyc files
         "-u",  # unbuffered, so output printed before a timeout is kept
         _PROGRAM,
+    ]
+    if launcher.backend is not Backend.BWRAP:  # bwrap loads the filter itself (_bwrap_args)
+        interpreter = [*seccomp.loader_argv(launcher.python, filter_fd), *interpreter]
+    program = [
+        *launcher.drop,
+        launcher.prlimit,
+        *_prlimit_args(limits, grouped=group is not None),
+        "--",
+        *interpreter,
     ]
     if not launcher.private_fs:
         workdir = _prepare_host_workdir(root_dir, code, launcher)
@@ -658,7 +682,7 @@ def _prepare(
     env = _clean_env(roots.WORKDIR)
     if launcher.backend is Backend.BWRAP:
         join = _join_step(launcher, root_dir) if group is not None else []
-        args = _bwrap_args(root_dir, limits, binds)
+        args = _bwrap_args(root_dir, limits, binds, filter_fd)
         return [*launcher.outer, *join, *launcher.namespaces_argv, *args, "--", *program], "/", env
     layout = _layout(launcher, limits.packages, limits.disk_mb, os.getpid())
     copy_to = os.path.join(roots.TREE, roots.WORKDIR.lstrip("/"), _PROGRAM)  # in the layout
@@ -798,8 +822,11 @@ def _fstab_escape(path: str) -> str:
     return "".join(chr(b) if b in safe else f"\\{b:03o}" for b in os.fsencode(path))
 
 
-def _bwrap_args(root_dir: str, limits: SandboxLimits, binds: Sequence[roots.Bind]) -> list[str]:
-    """bwrap's options for one program: the root the mount step makes, and more."""
+def _bwrap_args(
+    root_dir: str, limits: SandboxLimits, binds: Sequence[roots.Bind], filter_fd: int
+) -> list[str]:
+    """bwrap's options for one program: the root the mount step makes, the seccomp filter
+    (read from ``filter_fd``, loaded just before bwrap execs the uid drop), and more."""
     size = str(limits.disk_mb << 20)
     # Not --unshare-all: as root it adds a user namespace in which only root is mapped, so the
     # uid drop after bwrap would fail.
@@ -826,7 +853,7 @@ def _bwrap_args(root_dir: str, limits: SandboxLimits, binds: Sequence[roots.Bind
     args += ["--ro-bind", program, inside, "--chdir", roots.WORKDIR]
     for target in ("/", *(b.target for b in binds if b.cover)):  # once their mount points exist
         args += ["--remount-ro", target]
-    args += ["--clearenv"]
+    args += ["--seccomp", str(filter_fd), "--clearenv"]
     for name, value in _clean_env(roots.WORKDIR).items():
         args += ["--setenv", name, value]
     return args
@@ -870,6 +897,29 @@ def _prlimit_args(limits: SandboxLimits, grouped: bool) -> list[str]:
         "--core=0",
     ]
     return args if grouped else [*args, f"--nproc={limits.max_processes}"]
+
+
+# The filter's fd in the launch: past the fds the mount step opens (3) and the shell's own.
+_FILTER_FD_MIN = 10
+
+
+@contextlib.contextmanager
+def _filter_pipe() -> Iterator[int]:
+    """A pipe's read end (at least ``_FILTER_FD_MIN``) holding the seccomp filter for one
+    launch, closed here afterwards; the launch reads it to the end (bwrap or the loader)."""
+    read, write = os.pipe()
+    try:
+        os.write(write, seccomp.program())  # at most 32 KiB: one write, within a pipe's buffer
+    finally:
+        os.close(write)
+    try:
+        fd = fcntl.fcntl(read, fcntl.F_DUPFD_CLOEXEC, _FILTER_FD_MIN)
+    finally:
+        os.close(read)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _prepare_host_workdir(root_dir: str, code: str, launcher: _Launcher) -> str:
