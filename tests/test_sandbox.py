@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -1042,6 +1043,8 @@ address = ctypes.addressof(ctypes.c_char.from_buffer(page))
 print(ctypes.CFUNCTYPE(ctypes.c_int)(address)())
 """
     r = run_python(code, FAST)
+    if r.exit_code == -signal.SIGSEGV:
+        pytest.skip("this kernel has no i386 syscall table (int 0x80 faults)")
     assert r.status is ExitStatus.OK, r.stderr
     assert r.stdout == f"{-errno.EPERM}\n"
 

@@ -10,9 +10,8 @@ network, or writes outside its directory. The sandbox keeps the trainer, the mac
 secrets and the answers away from such programs. A seccomp filter (:mod:`atgrpo.sandbox.seccomp`)
 denies the kernel interfaces container sandboxes deny (io_uring, bpf, userfaultfd, new
 namespaces, mounts, ...), but a kernel bug behind an allowed syscall still escapes: it is not a
-defence against a determined attacker. The table of what a program
-can and cannot see, reach, exhaust or leave behind, each row with its test, is in
-docs/faults.md ("The sandbox").
+defence against a determined attacker. The table of what a program can and cannot see, reach,
+exhaust or leave behind, each row with its test, is in docs/faults.md ("The sandbox").
 
 What is isolated (on Linux as root: training boxes and CI)
 -----------------------------------------------------------
@@ -60,8 +59,8 @@ With ``ATGRPO_SANDBOX=bwrap`` in the environment (and ``bwrap`` installed: Debia
 rlimits after it; bwrap loads the seccomp filter itself (``--seccomp FD``, just before the uid
 drop). The differences: /dev is bubblewrap's minimal one (also tty, pts and the fd links); the
 work dir is root's but open to all (bwrap cannot chown); the tmpfs have no cap on their number
-of files; PWD is set. bubblewrap is never required; asking for it where it does
-not work, or is not installed, is a ``SandboxSetupError``.
+of files; PWD is set. bubblewrap is never required; asking for it where it does not work, or
+is not installed, is a ``SandboxSetupError``.
 
 What is not isolated
 --------------------
@@ -75,6 +74,9 @@ What is not isolated
 
 Weaker set-ups, each announced once by a ``SandboxWarning``
 ------------------------------------------------------------
+The seccomp filter holds in each of them; without libseccomp no program runs (a
+``SandboxSetupError`` naming what to install).
+
 - Root where no control group can be made: memory and processes are bounded per process only
   (``memory_mb`` each; ``max_processes`` as RLIMIT_NPROC, which counts every process of uid
   65534, so concurrent sandboxes share it: a fork bomb can stop other sandboxes from forking).
