@@ -36,6 +36,7 @@ def test_rows_per_call_divide_the_budget_by_a_row(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(memory, "device_memory", lambda device: 2 * (state + 5 * per_row + 1))
     assert memory.rows_per_call(model, 64, 100, 28) == 5
     assert memory.rows_per_call(model, 3, 100, 28) == 3  # never more than asked
+    assert memory.rows_per_call(model, 64, 100, 28, held_bytes=2 * per_row) == 3  # a copy's
     monkeypatch.setattr(memory, "device_memory", lambda device: state)  # nothing left: one row
     assert memory.rows_per_call(model, 64, 100, 28) == 1
 
@@ -55,7 +56,7 @@ def test_auto_splits_the_calls_and_samples_as_that_fixed_size_does(
         torch.manual_seed(0)
         return engine.generate(prompts, params)
 
-    monkeypatch.setattr(memory, "rows_per_call", lambda model, rows, width, new: min(rows, 2))
+    monkeypatch.setattr(memory, "rows_per_call", lambda model, rows, width, new, held: min(rows, 2))
     auto = run("auto")
     assert calls == [2, 2, 1]
     fixed = run(2)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 from atgrpo import __version__
 from atgrpo.checkpoint import CheckpointError
-from atgrpo.config import ConfigError, dump_config, load_config
+from atgrpo.config import ConfigError, RolloutEngine, dump_config, load_config
 from atgrpo.data.base import DatasetError
 from atgrpo.envs.base import EnvError
 from atgrpo.experiments.intervals import report_gain, report_interval
@@ -791,6 +791,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     )
     for line in est.table(found):
         print(line)
+    if cfg.rollout.engine is RolloutEngine.AUTO:
+        chosen = est.engine(cfg, found.on_gpu, shard=False)
+        why = "installed here" if chosen is RolloutEngine.VLLM else "no vLLM or no GPU here"
+        print(f"rollout.engine auto: {chosen.value} ({why}; a sharded policy samples with hf)")
     kept = found.disk_per_checkpoint * found.checkpoints_kept
     print(
         f"disk: {found.disk_per_checkpoint / est.GIB:.1f} GiB per checkpoint, "

@@ -141,6 +141,7 @@ class ModelConfig(_Section):
 class RolloutEngine(enum.StrEnum):
     HF = "hf"  # transformers' generate on the policy's own model (the default; CPU)
     VLLM = "vllm"  # vLLM, weights / adapters pushed after each update (the `vllm` extra)
+    AUTO = "auto"  # vllm on a GPU where vLLM is installed, else hf (said in one line)
 
 
 class VLLMConfig(_Section):
@@ -333,8 +334,10 @@ class RolloutConfig(_Section):
     engine: RolloutEngine = Field(
         RolloutEngine.HF,
         description=(
-            "hf: transformers' generate on the training model; vllm: a vLLM engine per model, "
-            "synced after every update (needs the `vllm` extra; `make test-vllm`)."
+            "hf: transformers' generate on the training model (on a GPU under bf16 autocast, "
+            "on a bf16 copy of it); vllm: a vLLM engine per model, synced after every update "
+            "(needs the `vllm` extra; `make test-vllm`); auto: vllm on a CUDA device where vLLM "
+            "is installed, else hf, with a one-line warning saying why (a sharded policy: hf)."
         ),
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
@@ -889,7 +892,7 @@ class Config(_Section):
         key = f"backend.policies.{sharded[0]}.sharding"
         if self.backend.kind is not BackendKind.RAY:
             raise KeyedValueError(key, "sharding runs in Ray worker groups: set backend.kind=ray")
-        if self.rollout.engine is not RolloutEngine.HF:
+        if self.rollout.engine is RolloutEngine.VLLM:
             raise KeyedValueError(
                 key, "a sharded policy samples from its rollout copy: set rollout.engine=hf"
             )

@@ -15,6 +15,7 @@ The cache is ``$ATGRPO_CACHE`` if set, else ``$XDG_CACHE_HOME/atgrpo``, else ``~
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import os
@@ -215,11 +216,36 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def frozen_dtype(device: torch.device, autocast_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of weights that never train (a LoRA base, the KL reference, a rollout copy).
+
+    On a GPU under autocast: the autocast dtype, so autocast has nothing to re-cast at every
+    forward (it caches casts of trainable leaves only), the memory is halved and a sampling
+    model keeps its key/value cache in that dtype. Elsewhere float32, as loaded: on CPU the
+    float32 weights are what the decode paths were measured fast on.
+    """
+    return autocast_dtype if device.type == "cuda" and autocast_dtype is not None else torch.float32
+
+
+def frozen_copy(model: Any, dtype: torch.dtype) -> Any:
+    """A copy of ``model`` that does not train, its parameters in ``dtype`` from the start (the
+    copy never holds a float32 duplicate of a model it casts)."""
+    memo: dict[int, Any] = {}
+    for param in model.parameters():  # deepcopy takes these instead of copying in float32
+        memo[id(param)] = torch.nn.Parameter(
+            param.detach().to(dtype, copy=True), requires_grad=False
+        )
+    return copy.deepcopy(model, memo).requires_grad_(False)
+
+
 def load_model(
-    path: str, device: torch.device | str | None = None, attention: str | None = None
+    path: str,
+    device: torch.device | str | None = None,
+    attention: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Any, Any]:
-    """Load a causal LM in fp32 (master weights) on ``device`` (default: CUDA if available)
-    and its tokenizer, padded on the left.
+    """Load a causal LM in ``dtype`` (float32: master weights) on ``device`` (default: CUDA if
+    available) and its tokenizer, padded on the left.
 
     ``attention``: transformers' ``attn_implementation``; None is atgrpo's SDPA, which runs
     attention in float32 on CPU under bf16 autocast (:mod:`atgrpo.attention`).
@@ -230,7 +256,7 @@ def load_model(
     try:
         tok = AutoTokenizer.from_pretrained(str(source))
         model = AutoModelForCausalLM.from_pretrained(
-            str(source), dtype=torch.float32, attn_implementation=attention or register_attention()
+            str(source), dtype=dtype, attn_implementation=attention or register_attention()
         )
     except OSError as exc:
         if isinstance(source, Path):

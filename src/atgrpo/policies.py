@@ -48,10 +48,14 @@ from atgrpo.generation import (
     VLLMGenerator,
     VLLMSettings,
 )
-from atgrpo.generation.vllm import require_vllm
+from atgrpo.generation.memory import training_state_bytes
+from atgrpo.generation.vllm import require_vllm, vllm_installed
 from atgrpo.models import (
     ModelError,
     bf16_supported,
+    default_device,
+    frozen_copy,
+    frozen_dtype,
     load_model,
     resolve_model_path,
     retain_freed_memory,
@@ -75,7 +79,13 @@ __all__ = [
 
 
 class PolicyGenerator:
-    """The rollout engine of one policy: activates its adapter, then samples (HF backend)."""
+    """The rollout engine of one policy: activates its adapter, then samples (HF backend).
+
+    A whole-model policy on a GPU under bf16 autocast samples from a bf16 copy of its model
+    (:func:`rollout_copy`), refreshed by :meth:`sync_weights` after each update: the key/value
+    cache is bf16 and no decode step re-casts float32 weights or keys. Elsewhere (CPU, float32,
+    a LoRA policy, whose base is already bf16 there) it samples from the training model itself.
+    """
 
     def __init__(
         self,
@@ -85,12 +95,14 @@ class PolicyGenerator:
         share_prefill: bool,
     ) -> None:
         self.policy = policy
+        self.copy = rollout_copy(policy)
         self.engine = HFGenerator(
-            policy.model,
+            policy.model if self.copy is None else self.copy,
             policy.tokenizer,
             share_prefill=share_prefill,  # rollout.share_prefill
             autocast_dtype=policy.autocast_dtype,
             max_batch_size=max_batch_size,
+            held_bytes=0 if self.copy is None else training_state_bytes(policy.model),
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -98,7 +110,9 @@ class PolicyGenerator:
         return self.engine.generate(prompts, params)
 
     def sync_weights(self) -> None:
-        """The HF engine samples from the training model itself: only its packed weights go."""
+        """The copy (if any) takes the trained weights; the engine drops its packed weights."""
+        if self.copy is not None:
+            copy_trained_weights(self.policy.model, self.copy)
         self.engine.sync_weights()
 
     def sleep(self) -> None:
@@ -108,6 +122,26 @@ class PolicyGenerator:
         self.engine.wake_up()
 
 
+def rollout_copy(policy: Policy) -> Any | None:
+    """The frozen copy a whole-model policy samples from where :func:`frozen_dtype` is not its
+    training dtype (a GPU under bf16 autocast); None where it samples from its own model."""
+    param = next(policy.model.parameters())
+    dtype = frozen_dtype(param.device, policy.autocast_dtype)
+    trains = any(p.requires_grad for p in policy.model.parameters())
+    if policy.adapter is not None or param.dtype == dtype or not trains:
+        return None
+    return frozen_copy(policy.model, dtype)
+
+
+def copy_trained_weights(model: Any, copy: Any) -> None:
+    """Copy ``model``'s trainable parameters into ``copy`` (same names), cast to its dtype."""
+    copies = dict(copy.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                copies[name].copy_(param.detach())
+
+
 def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, Generator]:
     """The rollout engine of every policy (``rollout.engine``), chosen once before the loop.
 
@@ -115,7 +149,8 @@ def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, G
     memory (LoRA policies on one base share the base's engine, one adapter each), started from
     the policy's current weights; ``sync_weights`` after each update keeps it on-policy.
     """
-    if cfg.rollout.engine is RolloutEngine.HF:
+    device = next(next(iter(policies.values())).model.parameters()).device
+    if resolved_engine(cfg.rollout.engine, device) is RolloutEngine.HF:
         batch = cfg.rollout.generation_batch_size or None  # 0: all prompts in one call
         share = cfg.rollout.share_prefill
         return {pid: PolicyGenerator(p, batch, share_prefill=share) for pid, p in policies.items()}
@@ -135,6 +170,30 @@ def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, G
             engines[key], policy.model, policy.tokenizer, adapter=policy.adapter
         )
     return generators
+
+
+class EngineFallbackWarning(UserWarning):
+    """``rollout.engine: auto`` samples with the HF engine; the message says why."""
+
+
+def resolved_engine(option: RolloutEngine, device: torch.device) -> RolloutEngine:
+    """``rollout.engine`` on ``device``: auto is vllm on a CUDA device where vLLM is installed,
+    else hf, and says in one warning line why it is not vllm."""
+    if option is not RolloutEngine.AUTO:
+        return option
+    why = None
+    if device.type != "cuda":
+        why = f"the policy is on {device.type}, and vLLM's engine is for GPUs here"
+    elif not vllm_installed():
+        why = "vLLM is not installed (pip install vllm)"
+    if why is None:
+        return RolloutEngine.VLLM
+    warnings.warn(
+        f"rollout.engine auto: sampling with the HF engine, as {why}",
+        EngineFallbackWarning,
+        stacklevel=2,
+    )
+    return RolloutEngine.HF
 
 
 def vllm_settings(cfg: Config, sharing: list[Policy]) -> VLLMSettings:
@@ -346,8 +405,13 @@ def _frozen_reference(cfg: Config, policy_id: str) -> Any | None:
     """The policy's initial model, frozen, when the loss has a KL term (never the checkpoint)."""
     if cfg.algo.kl_coef <= 0:
         return None
-    model, _ = load_model(cfg.policy_model(policy_id))
+    model, _ = load_model(cfg.policy_model(policy_id), dtype=untrained_dtype(cfg))
     return model.eval().requires_grad_(False)
+
+
+def untrained_dtype(cfg: Config) -> torch.dtype:
+    """:func:`frozen_dtype` on this process's device: bf16 on a GPU under bf16 autocast."""
+    return frozen_dtype(default_device(), autocast_dtype_for(cfg.model.precision))
 
 
 def build_policy(cfg: Config, policy_id: str = SHARED_POLICY, weights: str | None = None) -> Policy:
@@ -385,7 +449,7 @@ def build_lora_policies(
     from peft import get_peft_model
 
     path = cfg.policy_model(policy_ids[0])
-    base, tokenizer = load_model(path)
+    base, tokenizer = load_model(path, dtype=untrained_dtype(cfg))  # the base never trains
     if cfg.model.gradient_checkpointing:
         base.gradient_checkpointing_enable()
         base.enable_input_require_grads()  # the frozen embeddings would cut the graph otherwise
@@ -396,9 +460,11 @@ def build_lora_policies(
         if model is None:
             with warnings.catch_warnings():  # peft calls an API transformers 5 deprecates
                 warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
-                model = get_peft_model(base, _peft_config(lora), adapter_name=pid)
+                model = get_peft_model(
+                    base, _peft_config(lora), adapter_name=pid, autocast_adapter_dtype=True
+                )  # adapters in float32 on a bf16 base: AdamW's master weights
         else:
-            model.add_adapter(pid, _peft_config(lora))
+            model.add_adapter(pid, _peft_config(lora), autocast_adapter_dtype=True)
         if weights and pid in weights:
             load_adapter_weights(model, pid, weights[pid])
     return {

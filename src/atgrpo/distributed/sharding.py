@@ -25,7 +25,6 @@ policy's worker group hold one shard each of its trainable model instead of a fu
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from atgrpo.algo.policy import Policy
+from atgrpo.models import frozen_copy, frozen_dtype
 
 __all__ = [
     "ShardSizes",
@@ -115,17 +115,6 @@ class ShardedPolicy:
         self.sync_s = time.perf_counter() - start
 
 
-def _rollout_copy(model: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    """A frozen copy of ``model``; on a GPU with bf16 its weights are bf16 from the start
-    (sampling under autocast needs no fp32 master copy), so the copy never costs fp32 memory."""
-    cast = dtype if device.type == "cuda" and dtype is not None else None
-    memo: dict[int, Any] = {}
-    if cast is not None:
-        for param in model.parameters():  # deepcopy takes these instead of copying in fp32
-            memo[id(param)] = torch.nn.Parameter(param.detach().to(cast), requires_grad=False)
-    return copy.deepcopy(model, memo).requires_grad_(False)
-
-
 Rebuild = Callable[[Policy, list[torch.nn.Parameter]], Policy]
 
 
@@ -149,7 +138,7 @@ def shard_policies(
     for pid, policy in policies.items():
         key = id(policy.model)
         if key not in done:
-            done[key] = _rollout_copy(policy.model, device, policy.autocast_dtype)
+            done[key] = frozen_copy(policy.model, frozen_dtype(device, policy.autocast_dtype))
             _shard_module(policy.model, mesh, mp)
             if policy.reference is not None:  # the KL term's frozen start: sharded alike
                 _shard_module(policy.reference, mesh, mp)

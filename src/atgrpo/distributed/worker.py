@@ -31,7 +31,7 @@ import torch.distributed as dist
 from atgrpo import checkpoint as ckpt
 from atgrpo.algo.minibatch import Shard
 from atgrpo.algo.update import DataParallel, UpdateSettings, UpdateStats, ppo_update
-from atgrpo.config import Config
+from atgrpo.config import Config, RolloutEngine
 from atgrpo.distributed import sharding
 from atgrpo.distributed.process_group import join_process_group
 from atgrpo.generation import Generation, Generator, SamplingParams
@@ -108,7 +108,8 @@ class PolicyWorker:
         self.shards = sharding.shard_policies(self.policies, rebuild, self.world_size)
         self.policies = {pid: s.policy for pid, s in self.shards.items()}
         rollout = {pid: s.rollout for pid, s in self.shards.items()}
-        self.generators = build_generators(self.cfg, rollout)
+        hf = self.cfg.rollout.model_copy(update={"engine": RolloutEngine.HF})  # auto's choice
+        self.generators = build_generators(self.cfg.model_copy(update={"rollout": hf}), rollout)
         gc.collect()  # the replicas' full tensors go with the old policies and generators
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

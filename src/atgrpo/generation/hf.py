@@ -301,6 +301,8 @@ class HFGenerator:
     :mod:`atgrpo.generation.fused`), attention over prompts held once, norms and the sampler's
     log-softmax (:mod:`atgrpo.generation.cpu_kernels`; equal to torch's to rounding); False keeps
     MKL's packed sgemm and torch's operators (bit for bit the unpacked layers').
+    ``held_bytes``: device memory held besides ``model``'s own state (the training model, when
+    ``model`` is a copy of it to sample from), which ``max_batch_size: auto`` leaves free.
     """
 
     def __init__(
@@ -314,8 +316,10 @@ class HFGenerator:
         prompt_once: bool = True,
         pack_weights: bool = True,
         decode_kernel: bool = True,
+        held_bytes: int = 0,
     ) -> None:
         self.model = model
+        self.held_bytes = held_bytes
         self.prompt_once = prompt_once
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.decode_kernel = decode_kernel and autocast_dtype is None and on_cpu
@@ -342,13 +346,14 @@ class HFGenerator:
         return cpu_kernels.extension() if self.decode_kernel else None
 
     def sync_weights(self) -> None:
-        """Generation runs on the training model itself; only the packed copies of its weights
-        (``pack_weights``) are dropped, to be packed again from the new ones."""
+        """``model`` holds the new weights (the training model itself, or a copy already
+        refreshed); only the packed copies of its weights (``pack_weights``) are dropped, to be
+        packed again from the new ones."""
         if self.packed is not None:
             self.packed.clear()
 
     def sleep(self) -> None:
-        """Nothing to give back: generation runs on the training model itself."""
+        """Nothing to give back: the model it samples from stays in memory."""
 
     def wake_up(self) -> None:
         """Nothing was given back."""
@@ -372,7 +377,9 @@ class HFGenerator:
             return self.max_batch_size
         if self.max_batch_size == memory.AUTO:
             width = max((len(p) for p in prompts), default=0)
-            return memory.rows_per_call(self.model, len(prompts), width, max_new_tokens)
+            return memory.rows_per_call(
+                self.model, len(prompts), width, max_new_tokens, self.held_bytes
+            )
         return max(1, len(prompts))
 
     @torch.no_grad()

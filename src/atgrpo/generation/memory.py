@@ -81,11 +81,14 @@ def rows_for_budget(rows: int, row: int, memory: int, training_state: int) -> in
     return max(1, min(rows, int(budget // row)))
 
 
-def rows_per_call(model: Any, rows: int, prompt_tokens: int, new_tokens: int) -> int:
+def rows_per_call(
+    model: Any, rows: int, prompt_tokens: int, new_tokens: int, held_bytes: int = 0
+) -> int:
     """How many of ``rows`` prompts (the longest ``prompt_tokens``) one generate call of up to
-    ``new_tokens`` takes under ``auto``: at least 1, at most ``rows``."""
+    ``new_tokens`` takes under ``auto``: at least 1, at most ``rows``. ``held_bytes``: memory
+    held besides ``model``'s own state (the training model of a rollout copy)."""
     param = next(model.parameters())
     config = getattr(model, "get_base_model", lambda: model)().config  # a peft model's base's
     row = row_bytes(config, param.element_size(), prompt_tokens, new_tokens)
-    state = training_state_bytes(model)
+    state = training_state_bytes(model) + held_bytes
     return rows_for_budget(rows, row, device_memory(param.device), state)

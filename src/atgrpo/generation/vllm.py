@@ -70,9 +70,13 @@ VLLM_MISSING = (
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 
 
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
 def require_vllm() -> None:
     """Raise an ImportError that says how to get vLLM when it is not installed."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise ImportError(VLLM_MISSING)
 
 

@@ -30,6 +30,7 @@ from atgrpo.config import (
     WorkerGroupConfig,
 )
 from atgrpo.generation import memory
+from atgrpo.generation.vllm import vllm_installed
 from atgrpo.models import DEFAULT_MODEL, TINY_MODEL, resolve_model_path
 from atgrpo.policies import sleep_engine
 
@@ -261,28 +262,32 @@ def _group_parts(
     ranks = group.resources.num_workers
     shard = group.resources.sharding is Sharding.SHARD
     split = ranks if shard else 1
-    if policies[0].lora is not None:  # a frozen fp32 base and every adapter's training state
+    # weights that never train: bf16 on a GPU under bf16 autocast (models.frozen_dtype)
+    copy_bytes = 2 if on_gpu and bf16 else 4
+    lora = policies[0].lora is not None
+    if lora:  # a frozen base and every adapter's training state
         trainable = sum(
             lora_params(shape, p.lora.r, p.lora.target_modules) for p in policies if p.lora
         )
-        frozen = shape.params
+        frozen_bytes = copy_bytes * shape.params
     else:
         trainable = shape.params if policies[0].trainable else 0
-        frozen = shape.params - trainable
-    # memory.state_bytes(trainable, frozen, 4), by part; sharded, 1/ranks of each
+        frozen_bytes = 4 * (shape.params - trainable)
+    # memory.state_bytes(trainable, frozen, ...), by part; sharded, 1/ranks of each
     state = Parts(
-        weights=4 * (trainable + frozen) // split,
+        weights=(4 * trainable + frozen_bytes) // split,
         grads=4 * trainable // split,
         adamw=8 * trainable // split,
         runtime=CUDA_CONTEXT_BYTES if on_gpu else CPU_PROCESS_BYTES,
     )
-    if cfg.algo.kl_coef > 0 and policies[0].lora is None:  # a frozen copy of the start
-        state.other += 4 * shape.params // split
-    copy_bytes = 2 if on_gpu and bf16 else 4
+    if cfg.algo.kl_coef > 0 and not lora:  # a frozen copy of the start
+        state.other += copy_bytes * shape.params // split
+    vllm = engine(cfg, on_gpu, shard) is RolloutEngine.VLLM
     if shard:  # a full rollout copy per rank (bf16 on a GPU), and one layer gathered at a time
         state.rollout_copy = copy_bytes * shape.params
         state.other += 2 * 4 * shape.layer_params  # its weights and, in backward, gradients
-    vllm = cfg.rollout.engine is RolloutEngine.VLLM
+    elif not vllm and not lora and trainable and copy_bytes == 2:  # policies.rollout_copy
+        state.rollout_copy = copy_bytes * shape.params
     share = int(cfg.rollout.vllm.gpu_memory_utilization * memory_bytes)
     device = torch.device("cuda" if on_gpu else "cpu")
     if vllm and not sleep_engine(cfg.rollout.vllm.sleep_mode, device):
@@ -344,14 +349,24 @@ def _generate_call_bytes(
 
 
 def _sampler_state(cfg: Config, group: Group, shape: Shape, dtype_bytes: int, shard: bool) -> int:
-    """:func:`memory.training_state_bytes` of the model that samples, from the counts."""
+    """:func:`memory.training_state_bytes` of the model that samples, from the counts, and
+    the training model's beside a rollout copy (``held_bytes``)."""
     if shard:  # the frozen rollout copy
         return memory.state_bytes(0, shape.params, dtype_bytes)
     lora = [cfg.policies[p].lora for p in group.policy_ids]
     if lora[0] is not None:
         adapters = sum(lora_params(shape, a.r, a.target_modules) for a in lora if a)
-        return memory.state_bytes(adapters, shape.params, 4)
-    return memory.state_bytes(shape.params, 0, 4)
+        return 4 * memory.state_bytes(adapters, 0, 1) + dtype_bytes * shape.params
+    trained = memory.state_bytes(shape.params, 0, 4)
+    return trained + (dtype_bytes * shape.params if dtype_bytes == 2 else 0)
+
+
+def engine(cfg: Config, on_gpu: bool, shard: bool) -> RolloutEngine:
+    """The rollout engine the run would take (:func:`atgrpo.policies.resolved_engine`): auto is
+    vllm on a GPU where vLLM is installed here, and hf for a sharded policy."""
+    if cfg.rollout.engine is not RolloutEngine.AUTO:
+        return cfg.rollout.engine
+    return RolloutEngine.VLLM if on_gpu and not shard and vllm_installed() else RolloutEngine.HF
 
 
 def _checkpoint_bytes(cfg: Config, group: Group, shape: Shape) -> int:
@@ -399,7 +414,7 @@ def knobs(cfg: Config) -> Iterator[list[str]]:
     while size > 1:
         size //= 2
         yield [f"train.micro_batch_size={size}"]
-    if cfg.rollout.engine is RolloutEngine.VLLM:
+    if engine(cfg, on_gpu=True, shard=False) is RolloutEngine.VLLM:
         if cfg.rollout.vllm.sleep_mode is False:  # the engine sleeps through each update
             yield ["rollout.vllm.sleep_mode=auto"]
         for less in (0.2, 0.1):
