@@ -105,3 +105,12 @@ def test_cli_reports_a_bad_key_in_one_line(capsys: pytest.CaptureFixture[str]) -
     err = capsys.readouterr().err
     assert "unknown config key 'train.stepz'" in err
     assert "Traceback" not in err
+
+
+def test_two_ranks_of_a_group_cannot_share_a_gpu() -> None:
+    ray = ["backend.kind=ray", "backend.policies.shared.num_workers=2"]
+    with pytest.raises(ConfigError, match=r"backend\.policies\.shared\.num_gpus.*NCCL"):
+        load_config(REPO / "configs" / "tiny.yaml", [*ray, "backend.policies.shared.num_gpus=0.5"])
+    load_config(REPO / "configs" / "tiny.yaml", [*ray, "backend.policies.shared.num_gpus=1"])
+    one = ["backend.kind=ray", "backend.policies.shared.num_gpus=0.5"]  # one rank may share
+    load_config(REPO / "configs" / "tiny.yaml", one)

@@ -796,7 +796,12 @@ class WorkerGroupConfig(_Section):
     )
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per worker.")
     num_gpus: float = Field(
-        0.0, ge=0.0, description="GPUs per worker (1 = a whole GPU; fractions share one)."
+        0.0,
+        ge=0.0,
+        description=(
+            "GPUs per worker (1 = a whole GPU; a fraction shares one, for a group of one rank: "
+            "NCCL refuses two ranks of a group on one GPU)."
+        ),
     )
     placement: Placement = Field(Placement.PACK, description="How the group's workers are placed.")
     sharding: Sharding = Field(
@@ -885,6 +890,16 @@ class Config(_Section):
         ),
     )
 
+    def _check_gpu_shares(self) -> None:
+        """NCCL refuses two ranks of one group on one GPU ("Duplicate GPU detected")."""
+        for pid, group in self.backend.policies.items():
+            if group.num_workers > 1 and 0 < group.num_gpus < 1:
+                raise KeyedValueError(
+                    f"backend.policies.{pid}.num_gpus",
+                    f"{group.num_workers} ranks of {group.num_gpus} GPU each could share one GPU, "
+                    "which NCCL refuses: give each rank a whole GPU (num_gpus: 1) or one rank",
+                )
+
     def _check_sharding(self) -> None:
         sharded = [n for n, g in self.backend.policies.items() if g.sharding is Sharding.SHARD]
         if not sharded:
@@ -924,6 +939,7 @@ class Config(_Section):
                 "off: set train.share_prefix=false",
             )
         self._check_sharding()
+        self._check_gpu_shares()
         if self.algo.tis_cap and self.algo.old_logprobs is OldLogprobs.ROLLOUT:
             raise KeyedValueError(
                 "algo.tis_cap", "truncated importance sampling needs algo.old_logprobs=trainer"
