@@ -63,10 +63,11 @@ draw. ``--variants plain,atgrpo-share`` runs only those.
     .venv/bin/python bench/bench_step.py --workload a --rounds 3 --variants plain,atgrpo-share
 
 Precision (``--precision``): ``bf16`` (bf16 autocast over fp32 weights, the figures of
-docs/results.md), ``fp32``, or ``auto`` (the default): what atgrpo's ``model.precision: auto``
-takes on this machine, bf16 where the CPU computes it natively (AVX512-BF16 or AMX; a GPU with
-bf16), else fp32. On a CPU without them PyTorch emulates bf16 matmuls, several times slower
-than its fp32 ones (docs/results.md), so a bf16 step there measures the emulation.
+docs/results/step-speed.md), ``fp32``, or ``auto`` (the default): what atgrpo's
+``model.precision: auto`` takes on this machine, bf16 where the CPU computes it natively
+(AVX512-BF16 or AMX; a GPU with bf16), else fp32. On a CPU without them PyTorch emulates bf16
+matmuls, several times slower than its fp32 ones (docs/results/step-speed.md), so a bf16 step
+there measures the emulation.
 
 The roofline (both workloads): the parent measures this machine's limits in the same run, a
 matmul in the step's precision (GFLOP/s, 2048 and 4096 square) and a large tensor copy (GB/s,

@@ -110,7 +110,7 @@ On CPU the tiny model lives in atgrpo's cache, and its checkpoints take a few MB
 vocabulary is the tokenizer's. The training phases sample at most 16 new tokens (32 on CUDA), and
 the scale phase runs at 8 prompts of 64 tokens and 16 new tokens.
 It makes the same assertions (tests/test_gpu_check.py, ``make gpu-check``), so the script
-cannot rot between GPU loans; docs/results.md has its times.
+cannot rot between GPU loans; docs/results/gpu.md has its times.
 
 **Options.**
 

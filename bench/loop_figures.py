@@ -1,5 +1,5 @@
 """Training-side figures of a comparison's trained runs: what the table of held-out success does
-not show (docs/results.md, "Optimizer steps per rollout").
+not show (docs/results/training.md, "Optimizer steps per rollout").
 
 Per trained method, over its seeds' run folders (``atgrpo compare FILE --train`` wrote them):
 optimizer steps per training step, clip fraction (mean over the steps, and the last mini-batch's),

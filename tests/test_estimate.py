@@ -206,8 +206,8 @@ SMOLLM2 = [
     "config", ["plan_path-mas.yaml", "plan_path-mas-lora.yaml", "plan_path-mas-per_role.yaml"]
 )
 def test_smollm2_estimate_within_25_percent(config: str, new_tokens: int) -> None:
-    """Shared, LoRA per role (one base) and a model per role (two in the process): docs/results.md
-    ("atgrpo estimate on the GPU configs") has the figures."""
+    """Shared, LoRA per role (one base) and a model per role (two in the process):
+    docs/results/memory.md ("atgrpo estimate on the GPU configs") has the figures."""
     overrides = [*SMOLLM2, f"rollout.max_new_tokens={new_tokens}"]
     peak, estimated = _measured_and_estimated(str(REPO / "configs" / config), overrides)
     print(f"{config} {new_tokens}: measured {peak / GIB:.2f} GiB, estimated {estimated / GIB:.2f}")
