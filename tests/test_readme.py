@@ -87,3 +87,79 @@ def test_a_readme_command_runs(
     elif command.split()[1] in ("report", "groups", "slim"):  # runs to read: train them first
         _train_one_step("configs/tiny.yaml", re.findall(r"runs/([\w.-]+)", command), runs)
     assert main(_argv(command, runs)) == 0, command
+
+
+# -- the docs hold together: short front pages, no issue numbers, every relative link resolves ---
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+ISSUE_NUMBER = re.compile(r"issue[- ]?#?[0-9]+", flags=re.IGNORECASE)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
+# Pages being written alongside this test: a link to one may wait for it until it lands.
+PAGES_BEING_WRITTEN = {REPO / "docs/results/cpu-decode.md", REPO / "docs/results/ray-faults.md"}
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """(line number, line) outside fenced code blocks, inline code spans removed."""
+    lines, fenced = [], False
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append((n, re.sub(r"`[^`]*`", "", line)))
+    return lines
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lowercase, punctuation dropped, spaces to '-',
+    a repeated one suffixed -1, -2, ..."""
+    anchors: set[str] = set()
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        heading = re.match(r"#{1,6} (.*)", line)
+        if fenced or not heading:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()
+        slug = "".join(c for c in text if c.isalnum() or c in " -_").replace(" ", "-")
+        anchor, k = slug, 0
+        while anchor in anchors:
+            k += 1
+            anchor = f"{slug}-{k}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_the_front_pages_stay_short() -> None:
+    """The README is the two commands, the demo and a tour; results.md the summary of results."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    summary = (REPO / "docs/results.md").read_text(encoding="utf-8").splitlines()
+    assert len(readme) < 300, f"README.md has {len(readme)} lines: move detail into docs/"
+    assert len(summary) < 150, f"docs/results.md has {len(summary)} lines: tables in docs/results/"
+
+
+def test_the_user_docs_name_no_issue_numbers() -> None:
+    found = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for path in DOCS
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if ISSUE_NUMBER.search(line)
+    ]
+    assert not found, "say what the issue was about instead:\n" + "\n".join(found)
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    broken = []
+    for path in DOCS:
+        for n, line in _prose(path):
+            for target in LINK.findall(line):
+                if re.match(r"[a-z]+:", target):  # https:, mailto:
+                    continue
+                file, _, anchor = target.partition("#")
+                dest = (path.parent / file).resolve() if file else path
+                where = f"{path.relative_to(REPO)}:{n}: {target}"
+                if not dest.exists() and dest not in PAGES_BEING_WRITTEN:
+                    broken.append(f"{where} (no such file)")
+                elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                    broken.append(f"{where} (no such heading)")
+    assert not broken, "\n".join(broken)
