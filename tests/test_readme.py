@@ -4,6 +4,9 @@ The commands are read from the README's bash blocks. Each runs in-process throug
 ``atgrpo.cli.main`` with the tiny random model and a one-step budget appended as overrides, and
 ``runs/`` pointed at a temporary folder; commands that need the real model, a trained demo
 run, a Ray cluster or hours (``compare --train``) are listed in ``LONG`` and left out.
+
+The README and docs/ hold together: the two front pages stay short, no page names an issue
+number, and every relative link resolves to a file and, into a Markdown page, to a heading.
 """
 
 from __future__ import annotations
