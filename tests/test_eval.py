@@ -13,6 +13,7 @@ from atgrpo.config import ConfigError, load_config
 from atgrpo.envs import Split, StepOutcome, TurnBasedEnv, Workflow, make_env, split_seeds
 from atgrpo.generation import Generation
 from atgrpo.training.evaluation import evaluate_held_out, held_out_tasks, pass_at_k
+from atgrpo.training.settings import eval_rollout_settings
 from conftest import REPO
 
 # atgrpo.training.evaluation is the public function; the module is imported by its name.
@@ -86,6 +87,7 @@ def _evaluate(cfg, gen: OracleGenerator, num_tasks: int):
             encode=_encode,
             split=Split.TEST,
             num_tasks=num_tasks,
+            settings=eval_rollout_settings(cfg, make_env(cfg.env).possible_agents),
             pool=pool,
         )
 
@@ -183,6 +185,7 @@ def _run(cfg, gen: FixedAnswer, agent: str, num_tasks: int):
             encode=_encode,
             split=Split.TEST,
             num_tasks=num_tasks,
+            settings=eval_rollout_settings(cfg, make_env(cfg.env).possible_agents),
             pool=pool,
         )
 

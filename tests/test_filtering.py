@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -331,6 +332,14 @@ def test_a_resumed_run_refills_as_the_uninterrupted_one(tmp_path: Path) -> None:
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
+def _settings(cfg: Any) -> Any:
+    """The run's settings records, as the runtime builds them."""
+    from atgrpo.envs import make_env
+    from atgrpo.training.settings import run_settings
+
+    return run_settings(cfg, make_env(cfg.env).possible_agents)
+
+
 def test_an_agent_scoped_std_is_over_the_kept_groups(tmp_path: Path) -> None:
     """lowest_mean 0.5 over 4 groups of one agent drops the two lowest; the kept groups'
     advantages divide by the std of the kept rewards alone, as if the dropped were never
@@ -342,7 +351,7 @@ def test_an_agent_scoped_std_is_over_the_kept_groups(tmp_path: Path) -> None:
                              "algo.filter=lowest_mean", "algo.filter_ratio=0.5"])  # fmt: skip
     rewards = {(0, "a", 0): [0.0, 0.1], (1, "a", 0): [0.0, 0.2], (2, "a", 0): [0.0, 1.0],
                (3, "a", 0): [1.0, 3.0]}  # fmt: skip
-    batch = filtered_batch(cfg, Rollout(groups(rewards), []))
+    batch = filtered_batch(_settings(cfg), Rollout(groups(rewards), []))
     assert {s.task_id for s in batch.samples} == {2, 3}
     alone = groups({k: v for k, v in rewards.items() if k[0] >= 2})
     assign_advantages(alone, advantage_settings(cfg))
@@ -368,8 +377,9 @@ def test_a_refill_adds_only_the_tasks_the_batch_lacks(
     regular = groups({(t, "a", 0): [0.0, 1.0] if t == 0 else [0.5, 0.5] for t in range(4)})
     fresh = groups({(t, "a", 0): [0.0, 1.0 + t] for t in range(4)})
     monkeypatch.setattr(batch_module, "collect_tasks", lambda rt, seeds: (Rollout(fresh, []), []))
-    batch = batch_module.filtered_batch(cfg, Rollout(regular, []))
+    settings = _settings(cfg)
+    batch = batch_module.filtered_batch(settings, Rollout(regular, []))
     assert batch.kept_tasks() == 1
-    batch_module.refill(SimpleNamespace(cfg=cfg), 1, batch)  # type: ignore[arg-type]
+    batch_module.refill(SimpleNamespace(cfg=cfg, settings=settings), 1, batch)  # type: ignore[arg-type]
     assert batch.refills == 1 and batch.kept_tasks() == 4
     assert sorted({s.task_id for s in batch.samples}) == [0, 4, 5, 6]  # refill tasks 4..7

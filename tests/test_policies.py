@@ -36,6 +36,7 @@ from atgrpo.policies import (
 from atgrpo.training import runtime as runtime_module
 from atgrpo.training.loop import update_policies
 from atgrpo.training.runtime import build_runtime
+from atgrpo.training.settings import update_settings
 from conftest import REPO
 from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS
 
@@ -249,7 +250,9 @@ def test_every_sample_reaches_the_policy_of_its_agent(monkeypatch: pytest.Monkey
     cfg = load_config(None, ["algo.skip_zero_advantage=false"])
     policies = {pid: SimpleNamespace(policy_id=pid) for pid in ("p", "q")}
     rt = SimpleNamespace(
-        cfg=cfg, learners={pid: runtime_module.LocalLearner(p) for pid, p in policies.items()}
+        cfg=cfg,
+        learners={pid: runtime_module.LocalLearner(p) for pid, p in policies.items()},
+        settings=SimpleNamespace(update=update_settings(cfg, ("a", "b", "c"))),
     )
     update_policies(rt, rollout.samples)  # type: ignore[arg-type]
     assert sorted(seen) == ["p", "q"]

@@ -198,8 +198,8 @@ class AgentRolloutConfig(_Section):
         None,
         ge=1,
         description=(
-            "null = rollout.max_new_tokens_per_agent.<id>, else rollout.max_new_tokens (setting "
-            "both is an error). Applies to evaluation too, over eval.max_new_tokens."
+            "null = rollout.max_new_tokens (rollout.max_new_tokens_per_agent.<id>, the older "
+            "spelling, sets this key). Applies to evaluation too, over eval.max_new_tokens."
         ),
     )
     truncation: Truncation | None = Field(None, description="null = rollout.truncation.")
@@ -266,7 +266,8 @@ class RolloutConfig(_Section):
         default_factory=dict,
         description=(
             "Per-agent override of max_new_tokens: the older spelling of "
-            "rollout.agents.<id>.max_new_tokens (one agent in both is an error)."
+            "rollout.agents.<id>.max_new_tokens, rewritten to it as the config loads (one "
+            "agent in both is an error)."
         ),
     )
     truncation: Truncation = Field(
@@ -343,8 +344,8 @@ class RolloutConfig(_Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
 
     def agent(self, agent_id: str) -> AgentRollout:
-        """``agent_id``'s settings: ``agents.<id>``, then the older ``max_new_tokens_per_agent``,
-        then the rollout's own; the one place the fallbacks are applied."""
+        """``agent_id``'s settings: ``agents.<id>``, then the rollout's own; the one place the
+        fallbacks are applied."""
         own = self.agents.get(agent_id) or AgentRolloutConfig()  # type: ignore[call-arg]
         max_new = _first(self.max_new_tokens_override(agent_id), self.max_new_tokens)
         return AgentRollout(
@@ -369,21 +370,33 @@ class RolloutConfig(_Section):
         raise ValueError(f"{value!r} is neither auto nor a count of 0 or more")
 
     def max_new_tokens_override(self, agent_id: str) -> int | None:
-        """The agent's own cap (``agents.<id>`` or ``max_new_tokens_per_agent``), if it has one."""
+        """The agent's own cap (``agents.<id>.max_new_tokens``), if it has one."""
         own = self.agents.get(agent_id)
-        if own is not None and own.max_new_tokens is not None:
-            return own.max_new_tokens
-        return self.max_new_tokens_per_agent.get(agent_id)
+        return None if own is None else own.max_new_tokens
 
-    @model_validator(mode="after")
-    def _agents_consistent(self) -> RolloutConfig:
-        for agent, own in self.agents.items():
-            if own.max_new_tokens is not None and agent in self.max_new_tokens_per_agent:
+    @model_validator(mode="before")
+    @classmethod
+    def _older_caps(cls, data: Any) -> Any:
+        """``max_new_tokens_per_agent.<id>``, the older spelling, becomes
+        ``agents.<id>.max_new_tokens`` as the config loads: the one place it is read."""
+        if not isinstance(data, dict) or not data.get("max_new_tokens_per_agent"):
+            return data
+        data = dict(data)
+        agents = dict(data.get("agents") or {})
+        for agent, cap in data.pop("max_new_tokens_per_agent").items():
+            own = agents.get(agent) or {}
+            own = dict(own) if isinstance(own, dict) else own.model_dump()
+            if own.get("max_new_tokens") is not None:
                 raise KeyedValueError(
                     f"rollout.agents.{agent}.max_new_tokens",
                     f"rollout.max_new_tokens_per_agent.{agent} sets it too (its older "
                     "spelling): set it in one place",
                 )
+            agents[agent] = {**own, "max_new_tokens": cap}
+        return {**data, "agents": agents}
+
+    @model_validator(mode="after")
+    def _agents_consistent(self) -> RolloutConfig:
         for agent in ["", *self.agents, *self.max_new_tokens_per_agent]:  # "": any other agent
             self._check_overlong_buffer(agent)
         return self

@@ -201,7 +201,6 @@ def vllm_settings(cfg: Config, sharing: list[Policy]) -> VLLMSettings:
     options = cfg.rollout.vllm
     longest_response = max(
         cfg.rollout.max_new_tokens,
-        *cfg.rollout.max_new_tokens_per_agent.values(),
         *(own.max_new_tokens or 0 for own in cfg.rollout.agents.values()),
         cfg.eval.max_new_tokens or 0,
     )

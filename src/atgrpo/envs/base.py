@@ -389,6 +389,12 @@ class EnvError(RuntimeError):
         return (type(self), args)
 
 
+def instance_key(env: object) -> str | None:
+    """The env's ``instance_key`` (which instance it was reset to) as text; None if it has none."""
+    key = getattr(env, "instance_key", None)
+    return None if key is None else str(key)
+
+
 @contextmanager
 def env_call(env: object, method: str) -> Iterator[None]:
     """Run a call of atgrpo into ``env`` (an env, or its class for ``__init__``): an exception

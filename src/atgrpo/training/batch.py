@@ -12,17 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from atgrpo.algo.advantage import AdvantageStats, Grouping, StdScope, assign_advantages
+from atgrpo.algo.advantage import AdvantageStats, StdScope, assign_advantages
 from atgrpo.algo.filtering import FilterStats, GroupFilter, filter_groups
 from atgrpo.algo.records import Rollout, Sample
 from atgrpo.algo.rollout import collect_rollout
-from atgrpo.config import Config, Sampling
 from atgrpo.envs import Split, make_env, split_seeds
-from atgrpo.envs.base import env_call
+from atgrpo.envs.base import env_call, instance_key
 from atgrpo.splits import SEED_RANGES
-from atgrpo.training.evaluation import instance_key
 from atgrpo.training.runtime import Runtime
-from atgrpo.training.settings import advantage_settings, filter_settings, train_rollout_settings
+from atgrpo.training.settings import RunSettings
 
 # Refills draw their train seeds from the upper half of the train range; regular step s draws
 # offsets [s B, (s + 1) B) (:func:`atgrpo.training.loop._collect`), from the lower half.
@@ -46,17 +44,17 @@ def collect_tasks(rt: Runtime, seeds: list[int]) -> tuple[Rollout, list[str | No
         generators=rt.generators,
         policy_of=rt.policy_of,
         encode=rt.encode,
-        settings=train_rollout_settings(cfg, rt.agents),
+        settings=rt.settings.rollout,
         stepper=rt.stepper,
     )
     return rollout, keys
 
 
-def advantages(cfg: Config, samples: list[Sample]) -> AdvantageStats:
+def advantages(settings: RunSettings, samples: list[Sample]) -> AdvantageStats:
     """Assign the samples' advantages (in place)."""
-    # Invariant 1: in AT-GRPO with tree sampling every group holds K samples of one prompt.
-    strict = cfg.algo.grouping is Grouping.AGENT_TURN and cfg.rollout.sampling is Sampling.TREE
-    return assign_advantages(samples, advantage_settings(cfg), require_identical_prompts=strict)
+    return assign_advantages(
+        samples, settings.advantage, require_identical_prompts=settings.identical_prompts
+    )
 
 
 def refill_seeds(step: int, round_idx: int, num_tasks: int, rounds: int, steps: int) -> list[int]:
@@ -117,21 +115,21 @@ class TrainingBatch:
         return out
 
 
-def filtered_batch(cfg: Config, rollout: Rollout) -> TrainingBatch:
+def filtered_batch(settings: RunSettings, rollout: Rollout) -> TrainingBatch:
     """Advantages of the step's regular rollout, then its groups that ``algo.filter`` keeps."""
-    adv = advantages(cfg, rollout.samples)  # every sampled group's: the step's statistics
-    kept, stats = filter_groups(rollout.samples, filter_settings(cfg))
-    _renormalise(cfg, kept, rollout.samples)
-    on = cfg.algo.filter is not GroupFilter.NONE
+    adv = advantages(settings, rollout.samples)  # every sampled group's: the step's statistics
+    kept, stats = filter_groups(rollout.samples, settings.filter)
+    _renormalise(settings, kept, rollout.samples)
+    on = settings.filter.rule is not GroupFilter.NONE
     return TrainingBatch(kept, adv, stats, filtering=on, rollouts=[rollout])
 
 
-def _renormalise(cfg: Config, kept: list[Sample], sampled: list[Sample]) -> None:
+def _renormalise(settings: RunSettings, kept: list[Sample], sampled: list[Sample]) -> None:
     """Under ``algo.adv_std_scope: agent`` the std is taken again over the kept groups, the batch
     the update sees (as "Tricks or Traps" normalises); a group-scoped advantage is its own
     group's alone and stays."""
-    if cfg.algo.adv_std_scope is StdScope.AGENT and len(kept) < len(sampled):
-        advantages(cfg, kept)
+    if settings.advantage.std_scope is StdScope.AGENT and len(kept) < len(sampled):
+        advantages(settings, kept)
 
 
 def _first_tasks(samples: list[Sample], tasks: int) -> list[Sample]:
@@ -151,18 +149,17 @@ def refill(rt: Runtime, step: int, batch: TrainingBatch) -> None:
     computed over its own groups. Deterministic given (run.seed, step): the loop reseeds every
     step and the seeds follow from the step.
     """
-    cfg = rt.cfg
+    cfg, settings = rt.cfg, rt.settings
     b, rounds = cfg.rollout.num_tasks, cfg.algo.filter_refill
-    settings = filter_settings(cfg)
     for round_idx in range(1, rounds + 1):
         if batch.kept_tasks() >= b:
             return
         extra, _ = collect_tasks(rt, refill_seeds(step, round_idx, b, rounds, cfg.train.steps))
         _renumber(extra, round_idx * b)
-        advantages(cfg, extra.samples)
-        kept, stats = filter_groups(extra.samples, settings)
+        advantages(settings, extra.samples)
+        kept, stats = filter_groups(extra.samples, settings.filter)
         kept = _first_tasks(kept, b - batch.kept_tasks())
-        _renormalise(cfg, kept, extra.samples)
+        _renormalise(settings, kept, extra.samples)
         batch.samples.extend(kept)
         batch.filtered += stats
         batch.rollouts.append(extra)

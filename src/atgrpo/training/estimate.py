@@ -222,7 +222,7 @@ def groups(cfg: Config) -> list[Group]:
 def _max_new_tokens(cfg: Config) -> int:
     rollout = cfg.rollout
     per_agent = [a.max_new_tokens for a in rollout.agents.values() if a.max_new_tokens]
-    return max([rollout.max_new_tokens, *rollout.max_new_tokens_per_agent.values(), *per_agent])
+    return max([rollout.max_new_tokens, *per_agent])
 
 
 def estimate(cfg: Config, memory_bytes: int | None = None) -> Estimate:

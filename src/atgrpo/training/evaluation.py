@@ -31,14 +31,13 @@ from typing import Any, NamedTuple
 import torch
 
 from atgrpo.algo.records import Rollout
-from atgrpo.algo.rollout import EncodeMessages, EnvStepper, collect_rollout
+from atgrpo.algo.rollout import EncodeMessages, EnvStepper, RolloutSettings, collect_rollout
 from atgrpo.config import Config, ConfigError
 from atgrpo.envs import MultiAgentEnv, Split, make_env, split_seeds
-from atgrpo.envs.base import env_call
+from atgrpo.envs.base import env_call, instance_key
 from atgrpo.generation import Generator
 from atgrpo.training.metrics import sample_records
 from atgrpo.training.run_dir import changes_since, is_fixed, show_change
-from atgrpo.training.settings import eval_rollout_settings
 
 # Seeds drawn per requested task at most when the env cannot say how many instances its split
 # has (generated puzzles): a small grid may have fewer distinct instances than asked for.
@@ -103,12 +102,6 @@ class EvalReport:
         for agent, v in self.mean_reward.items():
             out[f"{prefix}reward/{agent}"] = v
         return out
-
-
-def instance_key(env: MultiAgentEnv) -> str | None:
-    """The env's ``instance_key`` (which instance it was reset to) as text; None if it has none."""
-    key = getattr(env, "instance_key", None)
-    return None if key is None else str(key)
 
 
 def eval_json_path(split: str, checkpoint: Path | None, run_dir: Path, suffix: str = "") -> Path:
@@ -302,6 +295,7 @@ def evaluate_held_out(
     encode: EncodeMessages | Mapping[str, EncodeMessages],
     split: Split,
     num_tasks: int,
+    settings: RolloutSettings,
     stepper: EnvStepper | None = None,
     pool: ThreadPoolExecutor | None = None,
 ) -> EvalReport:
@@ -311,10 +305,10 @@ def evaluate_held_out(
     run, ``EvalReport.num_tasks`` is the number scored (every rate divides by it) and
     ``EvalReport.note`` says so, for the caller to print. ``stepper`` (or ``pool``, short for a
     :class:`~atgrpo.algo.rollout.ThreadStepper` on it) steps the envs, as in
-    :func:`~atgrpo.algo.rollout.collect_rollout`.
+    :func:`~atgrpo.algo.rollout.collect_rollout`. ``settings``: the held-out rollout's
+    (:func:`atgrpo.training.settings.eval_rollout_settings`).
     """
     envs, seeds, note = held_out_tasks(cfg, split, num_tasks)
-    settings = eval_rollout_settings(cfg, envs[0].possible_agents)
     keys = [instance_key(env) for env in envs]  # before the rollout moves the envs on
     with torch.random.fork_rng():
         torch.manual_seed(cfg.run.seed)

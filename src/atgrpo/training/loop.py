@@ -57,7 +57,6 @@ from atgrpo.training.run_dir import (
     sigterm_stops,
 )
 from atgrpo.training.runtime import Learner, Runtime, build_runtime, seed_everything
-from atgrpo.training.settings import update_settings
 from atgrpo.training.tracking import Loggers, build_loggers
 
 
@@ -102,8 +101,7 @@ def update_policies(rt: Runtime, samples: list[Sample]) -> dict[str, UpdateStats
     train.steps. A policy of ``trainable: false`` is left out: its samples are dropped here, its
     weights, optimizer and schedule never step, and it has no entry in the result.
     """
-    # Every agent of the step, in one order: the same per-agent count layout on every rank.
-    settings = update_settings(rt.cfg, tuple(sorted({s.agent_id for s in samples})))
+    settings = rt.settings.update  # agents: the env's, one order on every rank
     routed = route_samples(samples, list(rt.learners))  # each policy learns from its own samples
     frozen = {pid for pid, policy in rt.cfg.policies.items() if not policy.trainable}
     started = {
@@ -215,7 +213,7 @@ def _train_step(rt: Runtime, step: int, gpus: int) -> tuple[dict[str, float], Pa
         with stages.time("rollout"):
             rollout, keys = _collect(rt, step)
         with stages.time("update"):
-            batch = filtered_batch(cfg, rollout)  # advantages, then algo.filter
+            batch = filtered_batch(rt.settings, rollout)  # advantages, then algo.filter
         with stages.time("rollout"):
             refill(rt, step, batch)  # algo.filter_refill: more tasks while too few kept a group
         with stages.time("update"):

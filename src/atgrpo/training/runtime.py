@@ -39,6 +39,7 @@ from atgrpo.policies import (
 from atgrpo.prompts import PromptEncoder
 from atgrpo.training.closers import close_all
 from atgrpo.training.evaluation import EvalReport, evaluate_held_out
+from atgrpo.training.settings import RunSettings, run_settings
 
 
 class Learner(Protocol):
@@ -93,6 +94,7 @@ class Runtime:
     policy_of: dict[str, str]  # agent id -> policy id
     encode: dict[str, PromptEncoder]  # per policy id (L3 policies may have other tokenizers)
     stepper: EnvStepper  # env steps: this process's thread pool or Ray env workers
+    settings: RunSettings  # every settings record of the run, built once
     on_close: list[Callable[[], None]] = field(default_factory=list)  # thread pool, Ray actors
     drift_warned: set[str] = field(default_factory=set)  # policies already warned of (loop.py)
 
@@ -111,6 +113,7 @@ class Runtime:
             encode=self.encode,
             split=split,
             num_tasks=num_tasks,
+            settings=self.settings.eval,
             stepper=self.stepper,
         )
 
@@ -126,6 +129,7 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None, action: str = "re
     agents = make_env(cfg.env).possible_agents
     policy_of = resolve_routing(cfg, agents)
     cfg.check_agent_ids(agents)  # before any model is loaded
+    settings = run_settings(cfg, agents)
     weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
     precision = run_precision(cfg, checkpoint, action)
     built = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": precision})})
@@ -161,6 +165,7 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None, action: str = "re
             pid: make_encoder(tok, cfg.rollout.max_prompt_tokens) for pid, tok in tokenizers.items()
         },
         stepper=stepper,
+        settings=settings,
         on_close=on_close,
     )
 

@@ -1,9 +1,13 @@
 """Rollout, advantage and update settings from a config: the one place they are built.
 
-Training, evaluation and comparison all call these, so a setting means the same in each.
+:func:`run_settings` builds every record a run needs once, with the runtime
+(:class:`atgrpo.training.runtime.Runtime` holds them); training, evaluation and comparison all
+read them from there, so a setting means the same in each.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from atgrpo.algo.advantage import AdvantageSettings, Grouping
 from atgrpo.algo.filtering import FilterSettings
@@ -88,10 +92,13 @@ def advantage_settings(cfg: Config) -> AdvantageSettings:
     )
 
 
-def filter_settings(cfg: Config) -> FilterSettings:
-    """Group filtering on the advantages' own groups and rewards (``advantage_settings``)."""
+def filter_settings(cfg: Config, groups: AdvantageSettings | None = None) -> FilterSettings:
+    """Group filtering on the advantages' own groups and rewards (``groups``, by default
+    :func:`advantage_settings`)."""
     return FilterSettings(
-        rule=cfg.algo.filter, ratio=cfg.algo.filter_ratio, groups=advantage_settings(cfg)
+        rule=cfg.algo.filter,
+        ratio=cfg.algo.filter_ratio,
+        groups=groups or advantage_settings(cfg),
     )
 
 
@@ -123,4 +130,33 @@ def update_settings(cfg: Config, agents: tuple[str, ...] = ()) -> UpdateSettings
         truncation_per_agent={
             a: own.truncation for a, own in cfg.rollout.agents.items() if own.truncation is not None
         },
+    )
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Every settings record of a run, built once from the config and the env's agents."""
+
+    rollout: RolloutSettings  # a training rollout
+    eval: RolloutSettings  # a held-out rollout
+    advantage: AdvantageSettings
+    filter: FilterSettings
+    update: UpdateSettings
+    # AT-GRPO with tree sampling: every advantage group holds K samples of one prompt
+    # (invariant 1), checked as the advantages are assigned.
+    identical_prompts: bool
+
+
+def run_settings(cfg: Config, agents: tuple[str, ...]) -> RunSettings:
+    """The records of :class:`RunSettings`; ``agents``: every agent of the env (the update lays
+    agent_token_mean's counts out by them, alike on every data-parallel rank)."""
+    advantage = advantage_settings(cfg)
+    return RunSettings(
+        rollout=train_rollout_settings(cfg, agents),
+        eval=eval_rollout_settings(cfg, agents),
+        advantage=advantage,
+        filter=filter_settings(cfg, advantage),
+        update=update_settings(cfg, tuple(sorted(agents))),
+        identical_prompts=cfg.algo.grouping is Grouping.AGENT_TURN
+        and cfg.rollout.sampling is Sampling.TREE,
     )
