@@ -32,8 +32,8 @@ from bench_step import PRECISIONS
 import atgrpo.generation.hf as hf
 from atgrpo.config import Precision
 from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels
-from atgrpo.generation.hf import sample_inverse_cdf
 from atgrpo.generation.packed import supported as packed_supported
+from atgrpo.generation.sampler import sample_inverse_cdf
 from atgrpo.models import DEFAULT_MODEL, load_model
 from atgrpo.policies import autocast_dtype_for
 

@@ -20,8 +20,9 @@ from atgrpo.algo.loss import token_logprobs
 from atgrpo.algo.records import Sample
 from atgrpo.algo.update import collate, response_logits
 from atgrpo.generation import Generation, HFGenerator, SamplingParams
-from atgrpo.generation.hf import distinct_rows, process_logits
-from atgrpo.generation.hf import sample_inverse_cdf as draw
+from atgrpo.generation.hf import distinct_rows
+from atgrpo.generation.sampler import process_logits
+from atgrpo.generation.sampler import sample_inverse_cdf as draw
 from atgrpo.models import build_tiny_model
 
 # A Qwen3-style generation_config.json, plus processors that would act under greedy decoding.

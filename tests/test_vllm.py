@@ -29,7 +29,7 @@ from atgrpo.algo.update import UpdateSettings, collate, ppo_update, response_log
 from atgrpo.config import Config, ConfigError, load_config
 from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.generation import Generation, SamplingParams, VLLMEngine, VLLMGenerator
-from atgrpo.generation.hf import process_logits
+from atgrpo.generation.sampler import process_logits
 from atgrpo.models import resolve_model_path
 from atgrpo.policies import build_generators, build_policies, make_encoder, vllm_settings
 from conftest import REPO

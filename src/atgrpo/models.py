@@ -18,6 +18,7 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -338,6 +339,37 @@ def cpu_precision_probe() -> dict[str, float]:
         "bf16_ms": statistics.median(times[True]),
         "bf16_ratio": statistics.median(ratios),
     }
+
+
+def unwrapped(model: Any) -> Any:
+    """The transformers model inside a peft wrapper, else ``model``: a peft model's ``generate``
+    runs its base model's, whose forward holds the adapters."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def accepts(forward: Any, name: str) -> bool:
+    """Whether ``forward`` takes a keyword argument ``name``."""
+    return name in inspect.signature(forward).parameters
+
+
+def cache_kwarg(forward: Any) -> str:
+    """The name a model's forward takes its key/value cache under: transformers 5.24 names it
+    ``cache`` (``past_key_values`` deprecated); 5.19 does not."""
+    return "cache" if accepts(forward, "cache") else "past_key_values"
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a response: the generation config's, then the tokenizer's."""
+    ids: list[int] = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        for t in source if isinstance(source, list) else [source]:
+            if t not in ids:
+                ids.append(int(t))
+    if not ids:
+        raise ValueError("the tokenizer and generation config define no end-of-sequence token")
+    return ids
 
 
 def autocast_for(model: Any, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:

@@ -37,8 +37,7 @@ import torch
 from atgrpo.algo.records import Sample
 from atgrpo.algo.scores import final_states
 from atgrpo.attention import ATTENTION
-from atgrpo.generation.hf import cache_kwarg, unwrapped
-from atgrpo.models import autocast_for
+from atgrpo.models import autocast_for, cache_kwarg, unwrapped
 
 
 class PrefixSharingError(ValueError):

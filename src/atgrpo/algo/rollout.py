@@ -44,7 +44,7 @@ from atgrpo.algo.records import EpisodeResult, Rollout, Sample
 from atgrpo.algo.truncation import TruncationSettings
 from atgrpo.envs import MultiAgentEnv, StepOutcome
 from atgrpo.envs.base import Message, env_call
-from atgrpo.generation import Generation, Generator, SamplingParams
+from atgrpo.generation.base import Generation, Generator, SamplingParams
 
 # Chat messages -> prompt token ids (atgrpo.prompts.PromptEncoder is the one the runtime builds).
 EncodeMessages = Callable[[list[Message]], list[int]]

@@ -25,7 +25,7 @@ from atgrpo.algo.loss import (
     entropy_from_logits,
     token_logprobs,
 )
-from atgrpo.generation.hf import unwrapped
+from atgrpo.models import unwrapped
 
 # Configs whose model rescales its logits after the output layer: the chunks would leave it out.
 _RESCALED = ("final_logit_softcapping", "logits_scaling", "logit_scale")

