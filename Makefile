@@ -13,7 +13,7 @@ $(VENV)/.torch:
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH)"
 	touch $@
 
-# A C++ compiler builds atgrpo's CPU kernels for decoding (atgrpo.generation.cpu_kernels) at
+# A C++ compiler builds atgrpo's CPU kernels for decoding (atgrpo.generation.cpu.kernels) at
 # first use; Debian's g++ where none is installed and apt can add it (else generation warns once
 # and runs without the kernels). libseccomp compiles the seccomp filter of every sandboxed program
 # (through pyseccomp): Debian's libseccomp2 where it is missing (without it the sandbox refuses).

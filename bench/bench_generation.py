@@ -4,11 +4,11 @@ MKL's or atgrpo's decode kernel in float32), and the sampler's draw.
 
 SmolLM2-135M-Instruct in ``--precision`` (default: what ``model.precision: auto`` takes on this
 machine), 4 distinct prompts of ~150 tokens x K = 8 copies (the rollout's order), 48 new tokens
-at temperature 1; then the draw alone on (32, 49152) probabilities:
-``torch.multinomial`` (the old draw) against :func:`atgrpo.generation.hf.sample_inverse_cdf`. Each
-figure is the best of ``--repeats`` runs, the paths alternating; packed weights are dropped
-before every run and packed again, as after an update in training. On cores shared with other
-work, ``--threads 1`` gives steadier figures than torch's default.
+at temperature 1; then the draw alone on (32, 49152) probabilities: ``torch.multinomial`` (the
+old draw) against :func:`atgrpo.generation.sampler.sample_inverse_cdf`. Each figure is the best
+of ``--repeats`` runs, the paths alternating; packed weights are dropped before every run and
+packed again, as after an update in training. On cores shared with other work, ``--threads 1``
+gives steadier figures than torch's default.
 
     .venv/bin/python bench/bench_generation.py [--repeats 3] [--threads 1]
     .venv/bin/python bench/bench_generation.py --branches [--repeats 3] [--threads 1]
@@ -31,8 +31,7 @@ from bench_step import PRECISIONS
 
 import atgrpo.generation.hf as hf
 from atgrpo.config import Precision
-from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels
-from atgrpo.generation.packed import supported as packed_supported
+from atgrpo.generation import HFGenerator, SamplingParams, cpu
 from atgrpo.generation.sampler import sample_inverse_cdf
 from atgrpo.models import DEFAULT_MODEL, load_model
 from atgrpo.policies import autocast_dtype_for
@@ -76,9 +75,9 @@ def bench_generate(repeats: int, scale: int, dtype: torch.dtype | None) -> None:
         "share_prefill=True, prompt copied": (True, False, False, False),
         "share_prefill=True, prompt once": (True, True, False, False),
     }
-    if packed_supported(model, dtype):  # bf16 autocast where oneDNN runs bf16; float32 on MKL
+    if cpu.packing_supported(model, dtype):  # bf16 autocast where oneDNN runs bf16; float32 on MKL
         variants["prompt once, weights packed"] = (True, True, True, False)
-        if dtype is None and cpu_kernels.extension() is not None:
+        if dtype is None and cpu.extension() is not None:
             variants["prompt once, decode kernel"] = (True, True, True, True)
     gens = {
         name: HFGenerator(

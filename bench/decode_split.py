@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from bench_generation import NEW_TOKENS, prompts
 
-from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels
+from atgrpo.generation import HFGenerator, SamplingParams, cpu
 from atgrpo.models import DEFAULT_MODEL, load_model
 
 ROWS = 32  # a decode step of workload (a): 4 prompts x K = 8
@@ -45,7 +45,7 @@ def split_generation(rounds: int) -> None:
     gens = {  # the linear layers on atgrpo's decode kernel (where it runs) and on MKL's packing
         name: HFGenerator(model, tok, share_prefill=True, autocast_dtype=None, decode_kernel=k)
         for name, k in [("decode kernel", True), ("MKL's packed weights", False)]
-        if not k or cpu_kernels.extension() is not None
+        if not k or cpu.extension() is not None
     }
     batch, forwards = prompts(tok), []
     forward = model.forward
@@ -96,7 +96,9 @@ def split_generation(rounds: int) -> None:
 def _cached_linears(model: Any, gen: HFGenerator) -> Iterator[None]:
     """Every ``nn.Linear`` of ``model`` returns one cached output per input shape (no packing)."""
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    packed, gen.packed = gen.packed, None
+    engine = gen.cpu  # the CPU decode engine: its packed weights are set aside
+    assert engine is not None
+    packed, engine.packed = engine.packed, None
     outputs: dict[tuple[Any, ...], torch.Tensor] = {}
     for layer in layers:
 
@@ -112,7 +114,7 @@ def _cached_linears(model: Any, gen: HFGenerator) -> Iterator[None]:
     finally:
         for layer in layers:
             del layer.forward
-        gen.packed = packed
+        engine.packed = packed
 
 
 def compiled_mlp(rounds: int, layers: int = 30, hidden: int = 576, inner: int = 1536) -> None:

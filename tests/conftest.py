@@ -34,15 +34,27 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Every test that needs atgrpo's AVX-512 kernels skips with this in its reason where they do not
+# run, and the run's summary counts them (pytest_terminal_summary): on a CPU without AVX-512 the
+# default tier does not test the kernels, and says so.
+NEEDS_AVX512 = "needs AVX-512"
+
+
+def require_kernels() -> Any:
+    """atgrpo's CPU kernels (atgrpo.generation.cpu), or a skip marked :data:`NEEDS_AVX512`."""
+    from atgrpo.generation import cpu
+
+    ext = cpu.extension()
+    if ext is None:
+        why = "this CPU has none" if not cpu.cpu_supports() else "the kernels did not build"
+        pytest.skip(f"{NEEDS_AVX512}: atgrpo's CPU kernels do not run here ({why})")
+    return ext
+
+
 @pytest.fixture(scope="session")
 def kernel() -> Any:
-    """atgrpo's CPU kernels (atgrpo.generation.cpu_kernels), or a skip where they do not run."""
-    from atgrpo.generation import cpu_kernels
-
-    ext = cpu_kernels.extension()
-    if ext is None:
-        pytest.skip("atgrpo's CPU kernels do not run on this CPU")
-    return ext
+    """atgrpo's CPU kernels, or a skip where they do not run (:func:`require_kernels`)."""
+    return require_kernels()
 
 
 def bench_module(name: str) -> Any:
@@ -72,7 +84,18 @@ class FakeSandbox:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line: which sandbox backends the run's sandbox tests ran on."""
+    """One line: how many tests skipped for want of AVX-512; one line: which sandbox backends
+    the run's sandbox tests ran on."""
+    avx512 = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if NEEDS_AVX512 in str(getattr(report, "longrepr", ""))
+    ]
+    if avx512:
+        terminalreporter.write_line(
+            f"AVX-512: {len(avx512)} tests of atgrpo's CPU kernels skipped ({NEEDS_AVX512}; "
+            "this run did not test the kernels)"
+        )
     ran: dict[str, int] = {}
     skipped: dict[str, int] = {}
     for key, counts in (("passed", ran), ("failed", ran), ("skipped", skipped)):

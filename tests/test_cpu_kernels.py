@@ -1,4 +1,4 @@
-"""atgrpo's CPU kernels for a float32 decode step (atgrpo.generation.cpu_kernels): each equal to
+"""atgrpo's CPU kernels for a float32 decode step (atgrpo.generation.cpu): each equal to
 torch's computation to rounding (the linear layer at any row count and input size, the attention
 over held prompts at any row order and mask, the norm, SiLU times up), the rotary embedding and
 the fused gate-and-up layer bit for bit, all of them running in a generation, clear errors on
@@ -6,14 +6,15 @@ bad input, and a warning, not a failure, where they cannot be built."""
 
 from __future__ import annotations
 
+import subprocess
 import warnings
 from typing import Any
 
 import pytest
 import torch
+from transformers import DynamicCache
 
-from atgrpo.generation import cpu_kernels
-from atgrpo.generation.packed import _kernel_forward
+from atgrpo.generation import cpu
 from atgrpo.models import cache_dir
 
 
@@ -29,15 +30,21 @@ def test_equal_to_torch_linear_to_rounding(kernel, rows: int, n_in: int, n_out: 
     assert not torch.equal(got, torch.zeros_like(got))
 
 
-def test_a_layer_runs_on_it_up_to_its_row_limit(kernel) -> None:
+def test_a_layer_runs_on_it_up_to_its_row_limit(kernel, monkeypatch) -> None:
     """Up to MAX_ROWS rows (a decode step) the kernel, with the bias; a larger call (a
     prefill) torch's own linear, bit for bit."""
     layer = torch.nn.Linear(70, 64)
-    packed = kernel.pack(layer.weight.detach())
     small = torch.randn(2, 3, 70)[:, ::2]  # not contiguous: the layer makes it so
-    assert torch.allclose(_kernel_forward(kernel, packed, layer, small), layer(small), atol=1e-5)
-    large = torch.randn(cpu_kernels.MAX_ROWS + 1, 70)
-    assert torch.equal(_kernel_forward(kernel, packed, layer, large), layer(large))
+    large = torch.randn(cpu.MAX_ROWS + 1, 70)
+    want_small, want_large = layer(small), layer(large)
+    calls = []
+    linear = type(kernel).linear
+    monkeypatch.setattr(type(kernel), "linear", lambda *a: calls.append(1) or linear(*a))
+    with cpu.PackedLinears(None).active(torch.nn.Sequential(layer)):
+        assert torch.allclose(layer(small), want_small, atol=1e-5)
+        assert len(calls) == 1
+        assert torch.equal(layer(large), want_large)
+        assert len(calls) == 1  # torch's own linear
 
 
 def test_bad_inputs_say_what_is_wrong(kernel) -> None:
@@ -47,24 +54,22 @@ def test_bad_inputs_say_what_is_wrong(kernel) -> None:
         kernel.linear(torch.randn(2, 9), kernel.pack(torch.randn(32, 8)))
     with pytest.raises(ValueError, match=r"takes 2-d float32 CPU rows; got torch\.bfloat16"):
         kernel.linear(torch.randn(2, 8, dtype=torch.bfloat16), kernel.pack(torch.randn(32, 8)))
-    assert not cpu_kernels.applies(torch.randn(48, 8))
-    assert not cpu_kernels.applies(torch.randn(32, 8, dtype=torch.bfloat16))
-    assert cpu_kernels.applies(torch.randn(64, 8))
+    assert not cpu.applies(torch.randn(48, 8))
+    assert not cpu.applies(torch.randn(32, 8, dtype=torch.bfloat16))
+    assert cpu.applies(torch.randn(64, 8))
 
 
 def test_it_builds_once_into_the_cache(kernel, monkeypatch) -> None:
     """The library is compiled once per source and compiler; a second build finds it."""
-    built = cpu_kernels._build()
+    built = cpu.build()
     assert built.is_file() and built.parent.parent == cache_dir()
-    monkeypatch.setattr(
-        cpu_kernels.subprocess, "run", lambda *a, **k: pytest.fail("compiled again")
-    )
-    assert cpu_kernels._build() == built
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    assert cpu.build() == built
 
 
 def test_a_failed_build_warns_once_and_keeps_mkl(monkeypatch, tmp_path) -> None:
     """No compiler, or one that fails: one warning with the compiler's reason, then MKL."""
-    monkeypatch.setattr(cpu_kernels, "cpu_supports", lambda: True)
+    monkeypatch.setattr(cpu.kernels, "cpu_supports", lambda: True)
     monkeypatch.setenv("ATGRPO_CACHE", str(tmp_path))  # nothing built there yet
     cases = [
         (str(tmp_path / "no-such-compiler"), r"did not build \(.*No such file.*no-such-compiler"),
@@ -72,28 +77,35 @@ def test_a_failed_build_warns_once_and_keeps_mkl(monkeypatch, tmp_path) -> None:
     ]
     for compiler, reason in cases:
         monkeypatch.setenv("CXX", compiler)
-        cpu_kernels.extension.cache_clear()
+        cpu.extension.cache_clear()
         try:
             with pytest.warns(RuntimeWarning, match=reason):
-                assert cpu_kernels.extension() is None
+                assert cpu.extension() is None
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
-                assert cpu_kernels.extension() is None  # once per process
+                assert cpu.extension() is None  # once per process
         finally:
-            cpu_kernels.extension.cache_clear()
+            cpu.extension.cache_clear()
     assert list((tmp_path / "kernels").iterdir()) == []  # no half-built library left
 
 
 def test_a_cpu_without_avx512_keeps_mkl_without_building(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "cpu_supports", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "_build", lambda: pytest.fail("built without AVX-512"))
-    cpu_kernels.extension.cache_clear()
+    monkeypatch.setattr(cpu.kernels, "cpu_supports", lambda: False)
+    monkeypatch.setattr(cpu.kernels, "build", lambda: pytest.fail("built without AVX-512"))
+    cpu.extension.cache_clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert cpu_kernels.extension() is None
+            assert cpu.extension() is None
     finally:
-        cpu_kernels.extension.cache_clear()
+        cpu.extension.cache_clear()
+
+
+def _held(keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, kernel: Any = None):
+    """The shared-prompt layer over the prompts' ``keys`` and ``values`` for ``rows``."""
+    cache = DynamicCache()
+    cache.update(keys, values, 0)
+    return cpu.shared_prefix(cache, rows, kernel).layers[0]
 
 
 def _prefix_case(order: str, mask: str, dim: int, groups: int):
@@ -127,16 +139,14 @@ def _prefix_case(order: str, mask: str, dim: int, groups: int):
 def test_prefix_attention_equals_torch_to_rounding(
     kernel, order: str, mask: str, dim: int, groups: int, monkeypatch
 ) -> None:
-    from atgrpo.generation.prefix_cache import SharedPrefixLayer, _layout, prefix_attention
-
     rows, keys, values, (query, own_k, own_v, m) = _prefix_case(order, mask, dim, groups)
-    torch_layer = SharedPrefixLayer(keys, values, _layout(rows))
-    want = prefix_attention(torch_layer, query, own_k, own_v, m, 0.1)
+    torch_layer = _held(keys, values, rows)
+    want = cpu.prefix_attention(torch_layer, query, own_k, own_v, m, 0.1)
     calls = []
     attend = type(kernel).prefix_attention
     monkeypatch.setattr(type(kernel), "prefix_attention", lambda *a: calls.append(1) or attend(*a))
-    layer = SharedPrefixLayer(keys, values, _layout(rows), kernel)
-    got = prefix_attention(layer, query, own_k, own_v, m, 0.1)
+    layer = _held(keys, values, rows, kernel)
+    got = cpu.prefix_attention(layer, query, own_k, own_v, m, 0.1)
     assert calls and got.shape == want.shape
     assert torch.allclose(got, want, rtol=0, atol=2e-6)
 
@@ -144,16 +154,12 @@ def test_prefix_attention_equals_torch_to_rounding(
 def test_prefix_attention_leaves_other_shapes_to_torch(kernel) -> None:
     """A head size or query group the kernel is not compiled for, or bf16 values: None, and
     prefix_attention computes it with torch's operators."""
-    from atgrpo.generation.prefix_cache import SharedPrefixLayer, _layout, prefix_attention
-
     rows, keys, values, (query, own_k, own_v, m) = _prefix_case("in order", "bool", 48, 5)
-    layer = SharedPrefixLayer(keys, values, _layout(rows), kernel)
+    layer = _held(keys, values, rows, kernel)
     args = (layer.prompt_kt(), layer.prompt_values, own_k, own_v, layer.layout.members, m, 0.1)
     assert kernel.prefix_attention(query, *args) is None
-    want = prefix_attention(
-        SharedPrefixLayer(keys, values, _layout(rows)), query, own_k, own_v, m, None
-    )
-    assert torch.equal(prefix_attention(layer, query, own_k, own_v, m, None), want)
+    want = cpu.prefix_attention(_held(keys, values, rows), query, own_k, own_v, m, None)
+    assert torch.equal(cpu.prefix_attention(layer, query, own_k, own_v, m, None), want)
     half = (own_k, own_v.bfloat16())
     assert kernel.prefix_attention(query, *args[:2], *half, *args[4:]) is None
 

@@ -1,9 +1,9 @@
-"""The fused decode forwards (atgrpo.generation.fused): an attention's query, key and value
-layers as one kernel call with the rotary embedding on the kernel, and an MLP's gate and up as
-one, sample bit for bit what the separate layers sample, for Llama, Mistral and Qwen2 (whose
-attention layers have biases), over held prompts and over a plain cache; a call the kernel does
-not fit runs the class's forward (the MLP its layers apart); the weights packed together are
-kept until they change."""
+"""The fused decode forwards (atgrpo.generation.cpu.fused_forwards): an attention's query, key
+and value layers as one kernel call with the rotary embedding on the kernel, and an MLP's gate
+and up as one, sample bit for bit what the separate layers sample, for Llama, Mistral and Qwen2
+(whose attention layers have biases), over held prompts and over a plain cache; a call the
+kernel does not fit runs the class's forward (the MLP its layers apart); the weights packed
+together are kept until they change."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels, fused
-from atgrpo.generation.packed import PackedLinears
+from atgrpo.generation import HFGenerator, SamplingParams, cpu
 
 
 def _tiny(kind: str) -> tuple[Any, Any]:
@@ -52,7 +51,7 @@ def test_fused_forwards_sample_what_the_separate_layers_sample(
     together = _sample(model, tok, share_prefill)
     assert {"rope", "linear_silu_mul"} <= set(calls)
     calls.clear()
-    monkeypatch.setattr(fused, "groups", lambda model: [])  # every layer on its own
+    monkeypatch.setattr(cpu.fused, "groups", lambda model: [])  # every layer on its own
     apart = _sample(model, tok, share_prefill)
     assert calls == []
     for a, b in zip(together, apart, strict=True):
@@ -67,17 +66,17 @@ def test_a_call_the_kernel_does_not_fit_runs_the_class_forward(kernel, monkeypat
     model, _ = _tiny("llama")
     model.eval()
     layer = model.model.layers[0]
-    hidden = torch.randn(1, cpu_kernels.MAX_ROWS + 1, 128)
+    hidden = torch.randn(1, cpu.MAX_ROWS + 1, 128)
     positions = torch.arange(hidden.shape[1])[None]
     cos_sin = model.model.rotary_emb(hidden, positions)
     want_attn = layer.self_attn(hidden, cos_sin, None)[0]
     want_mlp = layer.mlp(hidden)
     for name in ("rope", "linear_silu_mul"):
         monkeypatch.setattr(type(kernel), name, lambda *a: pytest.fail("a fused kernel ran"))
-    packed = PackedLinears(None)
-    with packed.active(model, fused.groups(model)) as together:
+    packed = cpu.PackedLinears(None)
+    with packed.active(model, cpu.fused_groups(model)) as together:
         assert len(together) == 4  # two attentions, two MLPs
-        with fused.active(model, kernel, together):
+        with cpu.fused_forwards(model, kernel, together):
             assert torch.equal(layer.self_attn(hidden, cos_sin, None)[0], want_attn)
             assert torch.allclose(layer.mlp(hidden), want_mlp, rtol=0, atol=1e-6)
 
@@ -89,7 +88,7 @@ def test_layers_packed_together_are_kept_until_a_weight_changes(kernel) -> None:
     model, _ = _tiny("llama")
     attn = model.model.layers[0].self_attn
     group = (attn.q_proj, attn.k_proj, attn.v_proj)
-    packed = PackedLinears(None)
+    packed = cpu.PackedLinears(None)
     with packed.active(model, [group]) as together:
         first = together[group]
         assert all("forward" not in vars(layer) for layer in group)
@@ -106,7 +105,7 @@ def test_layers_packed_together_are_kept_until_a_weight_changes(kernel) -> None:
     model.train()
     model(input_ids=torch.tensor([[1, 2, 3]]))  # an update's forward: its weights will change
     assert len(packed) == 0
-    bf16 = PackedLinears(torch.bfloat16)  # oneDNN's packing: no kernel groups
+    bf16 = cpu.PackedLinears(torch.bfloat16)  # oneDNN's packing: no kernel groups
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         with bf16.active(model, [group]) as together:
             assert together == {} and "forward" in vars(attn.q_proj)

@@ -1,5 +1,5 @@
-"""Linear layers on weights packed once while generating (atgrpo.generation.packed): bf16 for
-oneDNN under autocast, float32 for MKL or for atgrpo's decode kernel."""
+"""Linear layers on weights packed once while generating (atgrpo.generation.cpu.PackedLinears):
+bf16 for oneDNN under autocast, float32 for MKL or for atgrpo's decode kernel."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from atgrpo.generation import HFGenerator, SamplingParams, cpu_kernels
-from atgrpo.generation.packed import PackedLinears, supported
+from atgrpo.generation import HFGenerator, SamplingParams, cpu
+from atgrpo.generation.cpu import PackedLinears
+from atgrpo.generation.cpu import packing_supported as supported
 from atgrpo.models import build_tiny_model
-from conftest import REPO
+from conftest import REPO, require_kernels
 
 BF16 = torch.bfloat16
 
@@ -58,8 +59,8 @@ def tiny(request: pytest.FixtureRequest) -> Tiny:
     tok.padding_side = "left"
     if not supported(model, dtype):
         pytest.skip(f"this CPU's torch cannot pack for {dtype or 'float32'}")
-    if kernel and cpu_kernels.extension() is None:
-        pytest.skip("atgrpo's decode kernel does not run on this CPU")
+    if kernel:
+        require_kernels()
     return Tiny(model, tok, dtype, kernel)
 
 
@@ -70,6 +71,12 @@ def _generate(gen: HFGenerator, tok) -> list:
     return gen.generate(prompts, params)
 
 
+def _packed(gen: HFGenerator) -> PackedLinears:
+    """The generator's packed weights (its CPU engine's)."""
+    assert gen.cpu is not None and gen.cpu.packed is not None
+    return gen.cpu.packed
+
+
 def _same(a: list, b: list) -> bool:
     return all(
         x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in zip(a, b, strict=True)
@@ -78,7 +85,8 @@ def _same(a: list, b: list) -> bool:
 
 def test_the_same_tokens_and_logprobs_as_autocast(tiny: Tiny) -> None:
     packed, plain = tiny.generator(), tiny.generator(pack_weights=False)
-    assert packed.packed is not None and plain.packed is None
+    assert packed.cpu is not None and packed.cpu.packed is not None
+    assert plain.cpu is not None and plain.cpu.packed is None
     assert tiny.same(_generate(packed, tiny.tok), _generate(plain, tiny.tok))
     assert all("forward" not in vars(m) for m in tiny.model.modules())  # the layers are restored
 
@@ -118,9 +126,10 @@ def test_an_optimizer_step_is_seen_whatever_the_adamw(tiny: Tiny, impl: str) -> 
 def test_sync_weights_drops_every_packed_weight(tiny: Tiny) -> None:
     packed = tiny.generator()
     _generate(packed, tiny.tok)
-    assert packed.packed is not None and len(packed.packed) > 0
+    linears = _packed(packed)
+    assert len(linears) > 0
     packed.sync_weights()
-    assert len(packed.packed) == 0
+    assert len(linears) == 0
 
 
 def test_a_training_forward_drops_the_packed_weights(tiny: Tiny) -> None:
@@ -128,13 +137,14 @@ def test_a_training_forward_drops_the_packed_weights(tiny: Tiny) -> None:
     the update's peak; a forward in eval mode (generation's) keeps them."""
     packed = tiny.generator()
     _generate(packed, tiny.tok)
-    assert packed.packed is not None and len(packed.packed) > 0
+    linears = _packed(packed)
+    assert len(linears) > 0
     ids = torch.tensor([tiny.tok("a prompt", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         tiny.model.eval()(ids)
-        assert len(packed.packed) > 0
+        assert len(linears) > 0
         tiny.model.train()(ids)
-    assert len(packed.packed) == 0
+    assert len(linears) == 0
 
 
 def test_packing_applies_to_float32_weights_only(tiny: Tiny) -> None:
@@ -156,9 +166,9 @@ def test_each_weight_is_packed_once_while_unchanged(tiny: Tiny, monkeypatch) -> 
     else:
         counted(torch.ops.mkl, "_mkl_reorder_linear_weight")
     if tiny.kernel:
-        kernel = cpu_kernels.extension()
+        kernel = cpu.extension()
         monkeypatch.setattr(
-            cpu_kernels, "extension", lambda: SimpleNamespace(pack=kernel.pack, linear=None)
+            cpu.kernels, "extension", lambda: SimpleNamespace(pack=kernel.pack, linear=None)
         )
         counted(kernel, "pack")
     linears = PackedLinears(tiny.dtype, decode_kernel=tiny.kernel)
@@ -169,7 +179,7 @@ def test_each_weight_is_packed_once_while_unchanged(tiny: Tiny, monkeypatch) -> 
     assert len(calls) == len(layers)
     # with the kernel, every layer whose outputs fill its panels is packed for it (the head's
     # 259-token vocabulary is not: MKL)
-    fits = sum(m.out_features % cpu_kernels.PANEL == 0 for m in layers)
+    fits = sum(m.out_features % cpu.PANEL == 0 for m in layers)
     assert calls.count("pack") == (fits if tiny.kernel else 0) and 0 < fits < len(layers)
 
 

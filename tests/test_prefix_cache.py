@@ -1,4 +1,5 @@
-"""Decoding over prompts held once per distinct prompt (atgrpo.generation.prefix_cache)."""
+"""Decoding over prompts held once per distinct prompt (atgrpo.generation.cpu's
+shared_prefix)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import atgrpo.generation.hf as hf
+from atgrpo import attention
 from atgrpo.attention import register
 from atgrpo.generation import HFGenerator, SamplingParams
-from atgrpo.generation.prefix_cache import (
+from atgrpo.generation.cpu import (
     SharedPrefixLayer,
-    _slots,
     prefix_attention,
+    reads_prompt_once,
     shared_prefix,
 )
 from atgrpo.models import build_tiny_model
@@ -36,19 +37,15 @@ def _grouped(tok, in_order: bool) -> list[list[int]]:
 
 
 def _generate(model, tok, prompts, shared: bool, monkeypatch, **kw):
-    monkeypatch.setattr(hf, "reads_prompt_once", lambda *a: shared)
-    layers: list[type] = []
-    inner = hf.HFGenerator._prefill
-
-    def prefill(self, *args):
-        cache, ids, mask = inner(self, *args)
-        layers.extend({type(x) for x in cache.layers})
-        return cache, ids, mask
-
-    monkeypatch.setattr(hf.HFGenerator, "_prefill", prefill)
+    """Generate with the prompts held once (``shared``) or copied to their rows; how many decode
+    steps' attentions read them held once."""
+    held: list[int] = []
+    attend = SharedPrefixLayer.attend
+    monkeypatch.setattr(SharedPrefixLayer, "attend", lambda *a: held.append(1) or attend(*a))
     torch.manual_seed(0)
     params = SamplingParams(max_new_tokens=12, **kw)
-    return HFGenerator(model, tok, share_prefill=True).generate(prompts, params), layers
+    gen = HFGenerator(model, tok, share_prefill=True, prompt_once=shared)
+    return gen.generate(prompts, params), len(held)
 
 
 @pytest.mark.parametrize("in_order", [False, True])
@@ -59,10 +56,10 @@ def test_same_tokens_and_logprobs_as_the_copied_prompt(
     model, tok = tiny
     prompts = _grouped(tok, in_order)
     kw = {"temperature": temperature, **OFF}
-    once, kinds = _generate(model, tok, prompts, True, monkeypatch, **kw)
-    assert kinds == [SharedPrefixLayer]  # the path under test ran
-    copied, kinds = _generate(model, tok, prompts, False, monkeypatch, **kw)
-    assert SharedPrefixLayer not in kinds
+    once, held = _generate(model, tok, prompts, True, monkeypatch, **kw)
+    assert held > 0  # the path under test ran
+    copied, held = _generate(model, tok, prompts, False, monkeypatch, **kw)
+    assert held == 0
     for a, b in zip(once, copied, strict=True):
         assert a.token_ids == b.token_ids and len(a.token_ids) > 0
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
@@ -71,13 +68,13 @@ def test_same_tokens_and_logprobs_as_the_copied_prompt(
 def test_it_is_chosen_for_float32_attention_on_cpu(tiny, monkeypatch) -> None:
     model, _ = tiny
     cache = DynamicCache(config=model.config)
-    assert hf.reads_prompt_once(model, None, cache)  # float32 throughout
-    monkeypatch.setattr(hf, "float32_attention", lambda: False)  # bf16 attention is faster
-    assert not hf.reads_prompt_once(model, torch.bfloat16, cache)
-    monkeypatch.setattr(hf, "float32_attention", lambda: True)
-    assert hf.reads_prompt_once(model, torch.bfloat16, cache)
+    assert reads_prompt_once(model, None, cache)  # float32 throughout
+    monkeypatch.setattr(attention, "float32_attention", lambda: False)  # bf16 attention is faster
+    assert not reads_prompt_once(model, torch.bfloat16, cache)
+    monkeypatch.setattr(attention, "float32_attention", lambda: True)
+    assert reads_prompt_once(model, torch.bfloat16, cache)
     plain, _ = build_tiny_model(seed=0)  # transformers' own SDPA: never routed to ours
-    assert not hf.reads_prompt_once(plain, None, DynamicCache(config=plain.config))
+    assert not reads_prompt_once(plain, None, DynamicCache(config=plain.config))
 
 
 @pytest.mark.parametrize(
@@ -111,9 +108,12 @@ def test_attention_by_hand_against_the_copied_keys(order: list[int], in_order: b
 
 
 def test_slots_place_every_row_once() -> None:
-    slots, back = _slots(torch.tensor([2, 0, 2, 1, 2]))
-    assert slots.shape == (3, 3)
-    assert slots.flatten()[back].tolist() == [0, 1, 2, 3, 4]
+    cache = DynamicCache()
+    k = torch.zeros(3, 1, 2, 4)
+    cache.update(k, k, 0)
+    layout = shared_prefix(cache, torch.tensor([2, 0, 2, 1, 2])).layers[0].layout
+    assert layout.slots.shape == (3, 3)
+    assert layout.slots.flatten()[layout.back].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_rows_cannot_be_reselected() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import atgrpo.generation.hf as hf
 from atgrpo.attention import register
 from atgrpo.generation import HFGenerator
 from atgrpo.generation.prefixes import (
@@ -89,15 +88,16 @@ def _branches(tok) -> list[list[int]]:
 
 @pytest.mark.parametrize("held", [True, False])  # prompts held once while decoding, or copied
 @pytest.mark.parametrize("kw", [{"temperature": 1.0, **OFF}, {"temperature": None, **OFF}])
-def test_a_shared_prefix_samples_what_a_plain_prefill_does(
-    tiny, monkeypatch, held: bool, kw: dict
-) -> None:
+def test_a_shared_prefix_samples_what_a_plain_prefill_does(tiny, held: bool, kw: dict) -> None:
     model, tok = tiny
-    monkeypatch.setattr(hf, "reads_prompt_once", lambda *a: held)
     prompts = _branches(tok)
     runs = {
         share: _recorded(
-            model, HFGenerator(model, tok, share_prefill=share), prompts, max_new_tokens=10, **kw
+            model,
+            HFGenerator(model, tok, share_prefill=share, prompt_once=held),
+            prompts,
+            max_new_tokens=10,
+            **kw,
         )
         for share in (False, True)
     }

@@ -48,7 +48,7 @@ import torch
 
 ATTENTION = "atgrpo_sdpa"  # the name models are loaded with (models.load_model)
 # Keys carrying this attribute come from a cache layer that holds their prompt's keys and values
-# elsewhere (atgrpo.generation.prefix_cache); its ``attend`` computes the attention.
+# elsewhere (atgrpo.generation.cpu.prefix_cache); its ``attend`` computes the attention.
 HELD_PROMPT = "_atgrpo_held_prompt"
 CHOICE_ENV_VAR = "ATGRPO_CPU_ATTENTION"  # "auto" (default: probe), "float32" or "bf16"
 # The probe's shape: a decode step of 32 rows over ~196 cached tokens, 9 heads of 64 (SmolLM2).

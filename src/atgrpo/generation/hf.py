@@ -2,14 +2,16 @@
 
 ``generate`` decodes greedily over the scores of our sampler, which draws each token and records
 its log-prob (:mod:`atgrpo.generation.sampler`, with the generation config that keeps the
-model's own settings out).
+model's own settings out). On CPU the decode step runs on the CPU decode engine
+(:mod:`atgrpo.generation.cpu`), entered here at one place, :class:`HFGenerator`'s ``cpu``;
+``cpu_kernels=False`` (``rollout.cpu_kernels: off``) leaves plain transformers and the sampler.
 
 **Shared prefill** (``share_prefill=True``). The rollout asks for K samples of each prompt, so a
 batch repeats every prompt K times. Each distinct prompt is prefilled once: one forward of the
 distinct prompts but their last token, left-padded to the batch's width, with the position ids
 ``generate`` derives from the attention mask, fills a ``DynamicCache``. Decoding then holds each
-prompt's keys and values once for its rows (:mod:`atgrpo.generation.prefix_cache`, on CPU with
-float32 attention), or else copies its rows to the batch's order, in layers that append decoded
+prompt's keys and values once for its rows (:mod:`atgrpo.generation.cpu.prefix_cache`, on CPU
+with float32 attention), or else copies its rows to the batch's order, in layers that append decoded
 tokens in place (:mod:`atgrpo.generation.cache`). ``generate`` gets the whole (N, P) batch and
 that cache; its prefill (``GenerationMixin._prefill``) sees P - 1 cached tokens and runs only
 the last one. Every row sees the same padding, positions and mask as without sharing, so the
@@ -26,20 +28,14 @@ two passes over a layout whose masks and positions give each token the same comp
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
-from transformers.cache_utils import DynamicLayer
 
-from atgrpo.attention import ATTENTION, float32_attention
-from atgrpo.generation import cpu_kernels, fused, memory
+from atgrpo.generation import memory
 from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.generation.cache import growing
-from atgrpo.generation.packed import PackedLinears
-from atgrpo.generation.packed import supported as packed_supported
-from atgrpo.generation.prefix_cache import shared_prefix
 from atgrpo.generation.prefixes import (
     Group,
     positions,
@@ -50,22 +46,19 @@ from atgrpo.generation.prefixes import (
 from atgrpo.generation.sampler import Sampler, check_sampling, neutral_generation_config
 from atgrpo.models import accepts, autocast_for, cache_kwarg, eos_token_ids, unwrapped
 
+if TYPE_CHECKING:
+    from atgrpo.generation.cpu import CpuEngine
+
 
 class HFGenerator:
     """Batched sampling from a transformers causal LM (the default backend on CPU).
 
     ``share_prefill``: prefill each distinct prompt of a batch once (module docstring); False
-    prefills every row. ``prompt_once``: then also hold each prompt's keys and values once while
-    decoding, where :func:`reads_prompt_once` allows (:mod:`atgrpo.generation.prefix_cache`);
-    False copies them to every row (the same attention; for measuring the two).
-    ``pack_weights``: run the linear layers on weights packed once for oneDNN (bf16 autocast) or
-    MKL (float32), on CPU (:mod:`atgrpo.generation.packed`; the same logits); False: the layers'
-    own calls. ``decode_kernel``: in float32 on a CPU with AVX-512, atgrpo's CPU kernels for a
-    decode step's linear layers (with ``pack_weights``, an attention's query, key and value
-    layers as one call with the rotary embedding, an MLP's gate and up as one with SiLU:
-    :mod:`atgrpo.generation.fused`), attention over prompts held once, norms and the sampler's
-    log-softmax (:mod:`atgrpo.generation.cpu_kernels`; equal to torch's to rounding); False keeps
-    MKL's packed sgemm and torch's operators (bit for bit the unpacked layers').
+    prefills every row. ``cpu_kernels``: on CPU, decode on the CPU decode engine
+    (:class:`atgrpo.generation.cpu.CpuEngine`: packed weights, atgrpo's kernels where they run,
+    prompts held once while decoding; the same tokens, or equal to rounding with the kernels);
+    False: plain transformers and the sampler. ``prompt_once``, ``pack_weights`` and
+    ``decode_kernel`` turn its parts off one by one, for measuring them (the engine's docstring).
     ``held_bytes``: device memory held besides ``model``'s own state (the training model, when
     ``model`` is a copy of it to sample from), which ``max_batch_size: auto`` leaves free.
     """
@@ -78,6 +71,7 @@ class HFGenerator:
         share_prefill: bool,
         autocast_dtype: torch.dtype | None = None,
         max_batch_size: int | Literal["auto"] | None = None,
+        cpu_kernels: bool = True,
         prompt_once: bool = True,
         pack_weights: bool = True,
         decode_kernel: bool = True,
@@ -85,16 +79,15 @@ class HFGenerator:
     ) -> None:
         self.model = model
         self.held_bytes = held_bytes
-        self.prompt_once = prompt_once
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        self.decode_kernel = decode_kernel and autocast_dtype is None and on_cpu
-        self.packed = (
-            PackedLinears(autocast_dtype, decode_kernel)
-            if pack_weights and packed_supported(model, autocast_dtype)
-            else None
-        )
-        if self.packed is not None:
-            self.packed.drop_at_training_forward(model)
+        self.cpu: CpuEngine | None = None
+        if cpu_kernels and next(model.parameters()).device.type == "cpu":
+            self.cpu = _cpu_engine()(
+                model,
+                autocast_dtype,
+                prompt_once=prompt_once,
+                pack_weights=pack_weights,
+                decode_kernel=decode_kernel,
+            )
         self.tokenizer = tokenizer
         self.share_prefill = share_prefill
         self.autocast_dtype = autocast_dtype
@@ -106,16 +99,12 @@ class HFGenerator:
         if share_prefill:
             check_shareable(model)
 
-    def _kernel(self) -> cpu_kernels.Kernel | None:
-        """atgrpo's CPU kernels, where ``decode_kernel`` asks for them and they run here."""
-        return cpu_kernels.extension() if self.decode_kernel else None
-
     def sync_weights(self) -> None:
         """``model`` holds the new weights (the training model itself, or a copy already
-        refreshed); only the packed copies of its weights (``pack_weights``) are dropped, to be
-        packed again from the new ones."""
-        if self.packed is not None:
-            self.packed.clear()
+        refreshed); only the CPU engine's packed copies of its weights are dropped, to be packed
+        again from the new ones."""
+        if self.cpu is not None:
+            self.cpu.refresh()
 
     def sleep(self) -> None:
         """Nothing to give back: the model it samples from stays in memory."""
@@ -171,8 +160,8 @@ class HFGenerator:
         )
         sampler = None
         if sampler_args is not None:
-            kernel = self._kernel()
-            sampler = Sampler(*sampler_args, kernel.log_softmax_exp if kernel else None)
+            fast = self.cpu.log_softmax_exp() if self.cpu is not None else None
+            sampler = Sampler(*sampler_args, fast)
         sequences, width = self._run(
             prompts,
             input_ids.to(device),
@@ -205,7 +194,8 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            with autocast_for(self.model, self.autocast_dtype), self._fast_layers():
+            layers = self.cpu.layers() if self.cpu is not None else contextlib.nullcontext()
+            with autocast_for(self.model, self.autocast_dtype), layers:
                 extra: dict[str, Any] = {}
                 if self.share_prefill and input_ids.shape[1] > 1:  # width 1: nothing to share
                     name = cache_kwarg(unwrapped(self.model).forward)
@@ -223,21 +213,6 @@ class HFGenerator:
                 return out, input_ids.shape[1]
         finally:
             self.model.train(was_training)
-
-    @contextlib.contextmanager
-    def _fast_layers(self) -> Iterator[None]:
-        """The linear layers on packed weights (``pack_weights``) and, where the CPU kernels run
-        (``decode_kernel``), norms, MLPs and attentions on them, their layers of one input
-        packed together (:mod:`atgrpo.generation.fused`)."""
-        packed, kernel = self.packed, self._kernel()
-        with contextlib.ExitStack() as stack:
-            together = None
-            if packed is not None:
-                groups = fused.groups(self.model) if kernel else []
-                together = stack.enter_context(packed.active(self.model, groups))
-            if kernel:
-                stack.enter_context(fused.active(self.model, kernel, together))
-            yield
 
     def _prefill(
         self,
@@ -265,10 +240,11 @@ class HFGenerator:
         else:
             ids, mask = input_ids[firsts, :-1], attention_mask[firsts, :-1]  # (D, P - 1)
             cache = self._forward_into(_empty_cache(self.model), ids, mask)
-        once = self.prompt_once and len(firsts) < len(rows)
         index = torch.tensor(rows, device=ids.device)
-        if once and reads_prompt_once(self.model, self.autocast_dtype, cache):
-            return shared_prefix(cache, index, self._kernel()), input_ids, attention_mask
+        repeats = len(firsts) < len(rows)
+        held = self.cpu.hold_prompts_once(cache, index) if repeats and self.cpu else None
+        if held is not None:  # each prompt's keys and values held once (the CPU engine)
+            return held, input_ids, attention_mask
         cache.batch_select_indices(index)  # (N, ...) rows
         # decoding appends in place (atgrpo.generation.cache)
         return growing(cache), input_ids, attention_mask
@@ -304,19 +280,6 @@ class HFGenerator:
             kwargs["logits_to_keep"] = 1
         self.model(input_ids=ids, attention_mask=mask, use_cache=True, **kwargs)
         return cache
-
-
-def reads_prompt_once(model: Any, autocast_dtype: torch.dtype | None, cache: DynamicCache) -> bool:
-    """Whether decoding can hold each prompt once (:mod:`atgrpo.generation.prefix_cache`): on
-    CPU, with atgrpo's attention computing in float32, over plain ``DynamicLayer``s."""
-    base = unwrapped(model)
-    if base.config._attn_implementation != ATTENTION or base.device.type != "cpu":
-        return False
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return False
-    if autocast_dtype is None and base.dtype == torch.float32:
-        return True  # float32 throughout
-    return float32_attention()  # this CPU's half-precision attention is slower: float32 here
 
 
 def distinct_rows(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -360,3 +323,12 @@ def check_shareable(model: Any) -> None:
 def _empty_cache(model: Any) -> DynamicCache:
     # The cache generate itself would build (_prepare_cache_for_generation).
     return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def _cpu_engine() -> type[CpuEngine]:
+    """The CPU decode engine: the one place the HF engine enters :mod:`atgrpo.generation.cpu`,
+    imported here at first use, so that nothing loads it (its kernels, its patches of
+    transformers' modules) until a model decodes on CPU."""
+    from atgrpo.generation.cpu import CpuEngine
+
+    return CpuEngine

@@ -2,9 +2,9 @@
 
 A rollout samples K answers to each prompt. With the shared prefill
 (:mod:`atgrpo.generation.hf`), each distinct prompt is run once, but a plain cache then copies
-its keys and values to all K rows, and every decode step reads the prompt K times: for
-bench_step's workload (a) (4 prompts of ~157 tokens, K = 8, 30 layers) that is most of what
-attention reads, and attention was ~40 % of a decode step.
+its keys and values to all K rows, and every decode step reads the prompt K times: where prompts
+are long beside the answers, that is most of what attention reads (measured:
+docs/results/cpu-decode.md).
 
 :class:`SharedPrefixLayer` keeps the prompt's keys and values once per distinct prompt (D rows,
 float32) and only the decoded tokens per row (N rows, appended in place). Attention
@@ -15,13 +15,12 @@ together) and against its own decoded tokens, takes one softmax over both score 
 and sums the two weighted value blocks. It is the same attention as over the copied cache (same
 scores, mask, softmax and values, in float32), differing only in float rounding. In float32 on a
 CPU with AVX-512 the generator hands the layers atgrpo's CPU kernel, which computes the same in
-one call (:meth:`atgrpo.generation.cpu_kernels.Kernel.prefix_attention`; 0.3-0.4 against
-0.7-0.9 ms a call in workload (a)'s decoding, docs/results.md).
+one call (:meth:`atgrpo.generation.cpu.kernels.Kernel.prefix_attention`).
 
-It is used on CPU where attention runs in float32 anyway (:func:`atgrpo.attention
-.float32_attention`, or a float32 model without autocast), for a model loaded with atgrpo's
-attention (:data:`atgrpo.attention.ATTENTION`) whose cache layers are all plain
-``DynamicLayer``, when some prompt repeats; elsewhere the prompt's rows are copied as before
+It is used (:func:`reads_prompt_once`) on CPU where attention runs in float32 anyway
+(:func:`atgrpo.attention.float32_attention`, or a float32 model without autocast), for a model
+loaded with atgrpo's attention (:data:`atgrpo.attention.ATTENTION`) whose cache layers are all
+plain ``DynamicLayer``, when some prompt repeats; elsewhere the prompt's rows are copied as before
 (:func:`atgrpo.generation.cache.growing`), which computes the same thing.
 """
 
@@ -34,9 +33,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from atgrpo.attention import HELD_PROMPT
+from atgrpo import attention
 from atgrpo.generation.cache import GrowingLayer
-from atgrpo.generation.cpu_kernels import Kernel
+from atgrpo.generation.cpu.kernels import Kernel
+from atgrpo.models import unwrapped
 
 
 class SharedPrefixLayer(DynamicLayer):
@@ -78,7 +78,7 @@ class SharedPrefixLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.decoded.update(key_states, value_states)
-        setattr(keys, HELD_PROMPT, self)  # atgrpo's attention calls self.attend on them
+        setattr(keys, attention.HELD_PROMPT, self)  # atgrpo's attention calls self.attend on them
         return keys, values
 
     def attend(
@@ -196,7 +196,21 @@ def _per_prompt(layer: SharedPrefixLayer, x: torch.Tensor, y: torch.Tensor) -> t
 def shared_prefix(cache: Any, rows: torch.Tensor, kernel: Kernel | None = None) -> Any:
     """``cache`` (D rows: the distinct prompts) with every layer a :class:`SharedPrefixLayer` for
     the N rows ``rows`` (each row's prompt); ``kernel``: attend on atgrpo's CPU kernel where it
-    fits (:mod:`atgrpo.generation.cpu_kernels`)."""
+    fits (:mod:`atgrpo.generation.cpu.kernels`)."""
     layout = _layout(rows)  # once: every layer has the same rows
     cache.layers = [SharedPrefixLayer(x.keys, x.values, layout, kernel) for x in cache.layers]
     return cache
+
+
+def reads_prompt_once(model: Any, autocast_dtype: torch.dtype | None, cache: Any) -> bool:
+    """Whether decoding can hold each prompt once: on CPU, with atgrpo's attention computing in
+    float32, over plain ``DynamicLayer``s."""
+    base = unwrapped(model)
+    if base.config._attn_implementation != attention.ATTENTION or base.device.type != "cpu":
+        return False
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return False
+    if autocast_dtype is None and base.dtype == torch.float32:
+        return True  # float32 throughout
+    # this CPU's half-precision attention is slower: float32 here
+    return attention.float32_attention()

@@ -1,4 +1,4 @@
-// atgrpo's CPU kernels for a float32 decode step, on AVX-512 (atgrpo.generation.cpu_kernels
+// atgrpo's CPU kernels for a float32 decode step, on AVX-512 (atgrpo.generation.cpu.kernels
 // builds them, with -ffp-contract=off: a product and a sum written apart are rounded apart, as
 // torch's operators round them, and checks their inputs).
 
@@ -195,8 +195,8 @@ extern "C" void atgrpo_rope(float* x, int64_t rows, int64_t stride, int64_t head
 }
 
 // ---------------------------------------------------------------------------------------------
-// One decode step's attention over prompts held once (atgrpo.generation.prefix_cache): row n's
-// G query heads of kv head g score against its prompt's keys (held transposed, [d][P16], so a
+// One decode step's attention over prompts held once (atgrpo.generation.cpu.prefix_cache): row
+// n's G query heads of kv head g score against its prompt's keys (held transposed, [d][P16], so a
 // block of 16 keys is one multiply-add per dimension) and its own decoded keys, take one masked
 // softmax over both, and sum the prompt's and its own values by those weights; one task per
 // (row, kv head), the threads splitting the tasks.

@@ -9,7 +9,7 @@ and, while generating, runs the layer on the packed weight:
 * under bf16 autocast, oneDNN's linear on the bf16 weight reordered once
   (``torch.ops.mkldnn._reorder_linear_weight``, ``torch.ops.mkldnn._linear_pointwise``): the same
   bf16 matmul with float32 accumulation, so the logits are the ones autocast's call gives;
-* in float32 on a CPU with AVX-512, atgrpo's decode kernel (:mod:`atgrpo.generation.cpu_kernels`)
+* in float32 on a CPU with AVX-512, atgrpo's decode kernel (:mod:`atgrpo.generation.cpu.kernels`)
   for calls of up to 64 rows and torch's own linear above (a prefill): equal to ``F.linear`` to
   float32 rounding, and faster than MKL at a decode step's rows because it reads the weight while
   it multiplies;
@@ -26,11 +26,9 @@ weights in place without bumping it (until the sample was added, every rollout a
 sampled from the packed weights of the first). :meth:`PackedLinears.clear` drops them all (the
 trainer calls it through the generator's ``sync_weights`` after every update).
 
-Measured on workload (a)'s generation (32 rows, 48 new tokens): bf16 on 2 AMD EPYC cores, 9-15 %
-faster in every one of 5 alternating rounds (median 2.94 against 3.42 s); float32 on a 2-core Intel
-Xeon, docs/results.md. Used on CPU under bf16 autocast where oneDNN supports bf16
-(``torch.ops.mkldnn._is_mkldnn_bf16_supported``) and in float32 where torch has MKL; elsewhere
-the layers run as they are.
+Faster than the layers' own calls in bf16 and in float32 (docs/results/cpu-decode.md). Used on
+CPU under bf16 autocast where oneDNN supports bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported``)
+and in float32 where torch has MKL; elsewhere the layers run as they are.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from typing import Any
 
 import torch
 
-from atgrpo.generation import cpu_kernels
+from atgrpo.generation.cpu import kernels
 
 # a linear layer's forward bound to its packed weight, called with the layer and the input
 # (the layer itself is not held: the packed weights are kept by a weak reference to it)
@@ -69,7 +67,8 @@ def supported(model: Any, autocast_dtype: torch.dtype | None) -> bool:
 
 
 # The row count MKL packs a float32 weight for: a rollout's decode step (any row count gives the
-# same numbers; packed for 1 row, a 32-row call ran as slowly as the unpacked one).
+# same numbers; packed for 1 row, a 32-row call ran as slowly as the unpacked one: measured,
+# docs/results/cpu-decode.md).
 _MKL_ROWS = 32
 
 
@@ -100,8 +99,8 @@ class PackedLinears:
     def drop_at_training_forward(self, model: torch.nn.Module) -> None:
         """Forget every packed weight at ``model``'s next forward in training mode (an update's):
         the update makes them stale anyway, and freed before it their memory serves the update
-        instead of adding to its peak (held through it, float32 ones raised workload (a)'s peak
-        RSS from 5.3 to 7.9 GB; docs/results.md)."""
+        instead of adding to its peak (held through it, they raised an update's peak memory by
+        half: docs/results/cpu-decode.md)."""
         model.register_forward_pre_hook(self._drop_if_training)
 
     def _drop_if_training(self, module: torch.nn.Module, args: Any) -> None:
@@ -116,7 +115,7 @@ class PackedLinears:
         """Run every linear layer of ``model`` on its packed weight inside the block.
 
         ``groups``: layers of one input that a fused forward runs as one
-        (:mod:`atgrpo.generation.fused`), each packed together for atgrpo's decode kernel where
+        (:mod:`atgrpo.generation.cpu.fused`), each packed together for atgrpo's decode kernel where
         it runs them; the block gets those packed weights, and their layers are left as they
         are (a call that the fused forward does not take, a prefill's, runs torch's linear, as
         above the kernel's rows anyway)."""
@@ -134,9 +133,9 @@ class PackedLinears:
     def _group(self, group: Group) -> torch.Tensor | None:
         """``group``'s weights packed together for the decode kernel (kept like a layer's,
         under its first layer), or None where the kernel does not run them."""
-        kernel = cpu_kernels.extension() if self.decode_kernel else None
+        kernel = kernels.extension() if self.decode_kernel else None
         weights = [layer.weight for layer in group]
-        if kernel is None or not all(cpu_kernels.applies(w) for w in weights):
+        if kernel is None or not all(kernels.applies(w) for w in weights):
             return None
         stamps = tuple(_Stamp.of(w) for w in weights)
         held = self._groups.get(group[0])
@@ -159,8 +158,8 @@ class PackedLinears:
         if self.bf16:  # oneDNN's packing does not depend on the batch size given
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
             return functools.partial(_bf16_forward, packed)
-        kernel = cpu_kernels.extension() if self.decode_kernel else None
-        if kernel is not None and cpu_kernels.applies(weight):
+        kernel = kernels.extension() if self.decode_kernel else None
+        if kernel is not None and kernels.applies(weight):
             return functools.partial(_kernel_forward, kernel, kernel.pack(weight))
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, _MKL_ROWS)
         return functools.partial(_fp32_forward, packed)
@@ -201,13 +200,13 @@ def _fp32_forward(packed: Any, layer: torch.nn.Linear, x: torch.Tensor) -> torch
 
 
 def _kernel_forward(
-    kernel: cpu_kernels.Kernel, packed: torch.Tensor, layer: torch.nn.Linear, x: torch.Tensor
+    kernel: kernels.Kernel, packed: torch.Tensor, layer: torch.nn.Linear, x: torch.Tensor
 ) -> torch.Tensor:
     """``layer(x)`` in float32 on atgrpo's decode kernel, up to its row limit; a larger call
     (a prefill) on torch's own linear."""
     weight, bias = layer.weight.detach(), layer.bias
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > cpu_kernels.MAX_ROWS:
+    if flat.shape[0] > kernels.MAX_ROWS:
         return torch.nn.functional.linear(x, weight, bias.detach() if bias is not None else None)
     out = kernel.linear(flat.contiguous(), packed)
     if bias is not None:

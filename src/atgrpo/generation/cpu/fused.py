@@ -3,25 +3,24 @@ generating.
 
 In eager mode a decode step of a Llama-shaped model runs each norm as six torch operators, each
 MLP's ``silu(gate) * up`` as two and each attention's rotary embedding as about fourteen, each a
-few microseconds of arithmetic on a few rows behind a dispatch that costs more (torch.profiler on
-workload (a): about 110 us a norm, 61 norms a step; ``silu`` 52 us a call; the rotary embedding
-6 ms a step). :func:`active` runs them on kernels of :mod:`atgrpo.generation.cpu_kernels` inside
-the block:
+few microseconds of arithmetic on a few rows behind a dispatch that costs more (profiled:
+docs/results/cpu-decode.md). :func:`active` runs them on kernels of
+:mod:`atgrpo.generation.cpu.kernels` inside the block:
 
-* a norm in one pass (:meth:`~atgrpo.generation.cpu_kernels.Kernel.rms_norm`);
+* a norm in one pass (:meth:`~atgrpo.generation.cpu.kernels.Kernel.rms_norm`);
 * an MLP's gate and up layers as one linear call on their weights packed together, with
   ``silu(gate) * up`` computed as each block of columns is done
-  (:meth:`~atgrpo.generation.cpu_kernels.Kernel.linear_silu_mul`), then its down layer;
+  (:meth:`~atgrpo.generation.cpu.kernels.Kernel.linear_silu_mul`), then its down layer;
 * an attention's query, key and value layers as one linear call, the rotary embedding of the
-  query and key heads in place on its output (:meth:`~atgrpo.generation.cpu_kernels.Kernel
+  query and key heads in place on its output (:meth:`~atgrpo.generation.cpu.kernels.Kernel
   .rope`), then the cache, attention and output layer exactly as transformers' forward runs them.
 
 Each computes the float32 formulas of the modules it replaces, equal to rounding; the fused
 linear calls and the rotary embedding are bit for bit what the decode kernel and torch give for
 the separate layers (tests/test_cpu_kernels.py). Only the classes named here are taken (their
 forwards are the formulas the kernels compute), the fused forwards only where their layers were
-packed together (:meth:`atgrpo.generation.packed.PackedLinears.active`) and the call fits the
-kernel (float32 on CPU, at most :data:`~atgrpo.generation.cpu_kernels.MAX_ROWS` rows, not
+packed together (:meth:`atgrpo.generation.cpu.packed.PackedLinears.active`) and the call fits
+the kernel (float32 on CPU, at most :data:`~atgrpo.generation.cpu.kernels.MAX_ROWS` rows, not
 training); any other module, and any other call, runs as it is.
 """
 
@@ -38,8 +37,8 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from atgrpo.generation.cpu_kernels import MAX_ROWS, Kernel
-from atgrpo.generation.packed import Group
+from atgrpo.generation.cpu.kernels import MAX_ROWS, Kernel
+from atgrpo.generation.cpu.packed import Group
 
 # transformers' norms that compute weight * (x * rsqrt(mean(x^2) + eps)) in float32
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})

@@ -3,32 +3,32 @@
 A decode step of a small model on a CPU is a few rows through many layers. Eager torch runs it as
 hundreds of library calls and operators each step, each a few microseconds of arithmetic behind a
 dispatch, and its linear layers on MKL's packed sgemm, which reads a weight and multiplies it one
-after the other. ``cpu_kernels.cpp`` holds the kernels for that step, each computing what
+after the other. ``kernels.cpp`` holds the kernels for that step, each computing what
 torch's path computes, in float32, equal to it to rounding (not bit for bit; the rotary
 embedding bit for bit):
 
 * :meth:`Kernel.linear`: a linear layer at up to :data:`MAX_ROWS` rows on its weight packed once
   into panels of 32 output columns, prefetching the panel's next lines while it multiplies, so
-  that reading the weight overlaps the arithmetic (:mod:`atgrpo.generation.packed` uses it;
-  several layers of one input packed together run as one, :mod:`atgrpo.generation.fused`);
+  that reading the weight overlaps the arithmetic (:mod:`atgrpo.generation.cpu.packed` uses it;
+  several layers of one input packed together run as one, :mod:`atgrpo.generation.cpu.fused`);
 * :meth:`Kernel.linear_silu_mul`: a gated MLP's gate and up layers packed together and
   ``silu(gate) * up`` in one call;
 * :meth:`Kernel.rope`: the rotary embedding of a query and key, in place;
 * :meth:`Kernel.prefix_attention`: the attention over prompts held once
-  (:mod:`atgrpo.generation.prefix_cache`) in one call, each prompt's keys and values read once
+  (:mod:`atgrpo.generation.cpu.prefix_cache`) in one call, each prompt's keys and values read once
   for all its rows and query heads;
 * :meth:`Kernel.rms_norm` and :meth:`Kernel.silu_mul`: a norm and a gated MLP's activation in
-  one pass (:mod:`atgrpo.generation.fused`);
+  one pass (:mod:`atgrpo.generation.cpu.fused`);
 * :meth:`Kernel.log_softmax_exp`: the sampler's log-probs over the vocabulary and the
-  probabilities drawn from, in two passes (:mod:`atgrpo.generation.hf`'s sampler, where no
+  probabilities drawn from, in two passes (:class:`atgrpo.generation.sampler.Sampler`, where no
   top-k or top-p cuts the vocabulary).
 
 A sampled token's recorded log-prob is the one of the logits it was drawn from, as always; the
 update recomputes log-probs with torch's own path, which differs from generation's by rounding
-only. Measured on workload (a) on a 2-core Intel Xeon without AMX: docs/results.md.
+only. Their timings: docs/results/cpu-decode.md.
 
 Built on CPUs where torch reports AVX-512, by the C++ compiler (``$CXX``, else ``c++``) into
-atgrpo's cache, about 2 s once per source and compiler; a model that is not float32 or a shape a
+atgrpo's cache, once per source and compiler; a model that is not float32 or a shape a
 kernel does not take runs on torch as before. Where the kernels cannot be built,
 :func:`extension` warns once with the reason and returns None, and generation runs without them.
 """
@@ -49,7 +49,7 @@ import torch
 
 from atgrpo.models import cache_dir
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_SOURCE = Path(__file__).with_name("kernels.cpp")
 # -ffp-contract=off: a product and a sum the source writes apart are rounded apart, as torch rounds
 # them (the compiler would otherwise fuse them into one multiply-add)
 _FLAGS = [
@@ -57,7 +57,7 @@ _FLAGS = [
 ]  # fmt: skip
 
 # The most rows a call runs through the kernel: at 96 rows and more it is level with MKL
-# (docs/results.md), so larger calls (a prefill) keep torch's own linear.
+# (docs/results/cpu-decode.md), so larger calls (a prefill) keep torch's own linear.
 MAX_ROWS = 64
 # Output columns of a packed panel: a weight whose output size is not a multiple keeps MKL.
 PANEL = 32
@@ -80,7 +80,7 @@ def cpu_supports() -> bool:
 
 
 class _Attention(ctypes.Structure):
-    """The C struct ``Attention`` of cpu_kernels.cpp, field for field."""
+    """The C struct ``Attention`` of kernels.cpp, field for field."""
 
     _fields_ = [
         *[(name, ctypes.c_void_p) for name in ["query", "prompt_kt", "prompt_v", "own_k"]],
@@ -239,7 +239,7 @@ class Kernel:
         scale: float,
     ) -> torch.Tensor | None:  # (N, 1, H, d); None where no kernel fits these shapes
         """One decode step's attention over prompts held once (the computation of
-        :func:`atgrpo.generation.prefix_cache.prefix_attention`, in one call)."""
+        :func:`atgrpo.generation.cpu.prefix_cache.prefix_attention`, in one call)."""
         n, heads, _, dim = query.shape
         kv_heads, prompt = prompt_values.shape[1], prompt_values.shape[2]
         f32 = (query, prompt_kt, prompt_values, keys, values)
@@ -285,7 +285,7 @@ def extension() -> Kernel | None:
     if not cpu_supports():
         return None
     try:
-        return Kernel(ctypes.CDLL(str(_build())))
+        return Kernel(ctypes.CDLL(str(build())))
     except (OSError, subprocess.CalledProcessError) as err:
         warnings.warn(
             f"atgrpo: the float32 decode kernel did not build ({_reason(err)}); generation "
@@ -296,7 +296,7 @@ def extension() -> Kernel | None:
         return None
 
 
-def _build() -> Path:
+def build() -> Path:
     """The kernel's shared library in atgrpo's cache, compiled there first if missing (into a
     temporary name, then renamed: a concurrent or interrupted build leaves no half file)."""
     compiler = os.environ.get("CXX", "c++")
