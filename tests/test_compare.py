@@ -16,12 +16,14 @@ from atgrpo.experiments.compare import (
     Comparison,
     Difference,
     Method,
-    TableCell,
     cell_config,
-    difference_rows,
     load_comparison,
-    markdown_table,
     run_comparison,
+)
+from atgrpo.experiments.tables import (
+    TableCell,
+    difference_rows,
+    markdown_table,
     table_rows,
     training_seconds,
     write_tables,

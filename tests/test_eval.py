@@ -295,7 +295,7 @@ def test_the_shortfall_note_is_printed_by_the_cli_and_kept_in_the_table(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from atgrpo.cli import _print_eval
-    from atgrpo.experiments.compare import TableCell, markdown_table
+    from atgrpo.experiments.tables import TableCell, markdown_table
     from atgrpo.training.evaluation import EvalReport, TaskResult
 
     note = "eval: test split has 30 distinct tasks; asked 100, evaluating 30"

@@ -389,13 +389,12 @@ def _train_comparison(comparison: Any) -> int:
 
 
 def _evaluate_comparison(comparison: Any) -> int:
-    from atgrpo.experiments.compare import (
+    from atgrpo.experiments.compare import run_comparison, write_curves
+    from atgrpo.experiments.tables import (
         DIFFERENCES_TITLE,
         TableCell,
         difference_rows,
-        run_comparison,
         table_rows,
-        write_curves,
         write_tables,
     )
 
