@@ -337,7 +337,9 @@ def test_lcb_private_tests_never_unpickle_arbitrary_objects(tmp_path: Path) -> N
 
 
 def test_missing_file_and_bad_rows_are_one_line_errors(tmp_path: Path) -> None:
-    with pytest.raises(CodeDatasetError, match=r"no dataset file at .*datasets-code\.md"):
+    with pytest.raises(
+        CodeDatasetError, match=r"nope\.jsonl: no such file; see docs/datasets-code\.md"
+    ):
         load_apps(tmp_path / "nope.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(apps_rows()[0]) + "\n{not json\n")

@@ -271,7 +271,10 @@ def test_the_shipped_configs_pass_atgrpo_check_env(
     ("env", "message"),
     [
         ({"path": "missing.jsonl"}, r"'env.path': .*no file 'missing.jsonl'.*give the path of"),
-        ({"path": "prompts.csv"}, r"'env.path': .*not a \.jsonl, \.json or \.parquet file"),
+        (
+            {"path": "prompts.csv"},
+            r"'env.path': .*not a \.jsonl, \.jsonl\.gz, \.json, \.parquet file",
+        ),
         ({"reward_funcs": ["nomodule:f"]}, r"'env.reward_funcs': .*no module named 'nomodule'"),
         ({"reward_funcs": [f"{MODULE}:corect"]}, rf"has no 'corect' \(did you mean '{MODULE}"),
         ({"reward_funcs": ["correct"]}, r"not an import path; name the function 'module:func"),

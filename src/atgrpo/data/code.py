@@ -38,7 +38,6 @@ import builtins
 import dataclasses
 import enum
 import functools
-import gzip
 import importlib.resources
 import io
 import json
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from atgrpo.data import rows as row_files
 from atgrpo.data.base import DatasetError
 from atgrpo.splits import Split, split_of
 
@@ -164,38 +164,10 @@ class CodeDataset:
 
 
 def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
-    """Rows of a ``.jsonl`` / ``.jsonl.gz`` file (one JSON object a line) or a ``.parquet`` file."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise CodeDatasetError(
-            f"no dataset file at {path}; see docs/datasets-code.md for how to get it"
-        )
-    if path.suffix == ".parquet":
-        yield from _read_parquet(path)
-        return
-    opener: Callable[..., Any] = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CodeDatasetError(f"{path}:{lineno}: not JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise CodeDatasetError(f"{path}:{lineno}: a row must be a JSON object")
-            yield row
-
-
-def _read_parquet(path: Path) -> Iterator[dict[str, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise CodeDatasetError(
-            f"reading {path} needs pyarrow: pip install pyarrow (or convert the file to JSONL)"
-        ) from exc
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
-        yield from batch.to_pylist()
+    """Rows of a ``.jsonl`` / ``.jsonl.gz``, ``.json`` or ``.parquet`` file
+    (:mod:`atgrpo.data.rows`), read as they are used."""
+    hint = "see docs/datasets-code.md for how to get it"
+    return row_files.iter_rows(path, error=CodeDatasetError, hint=hint)
 
 
 def _field(row: Mapping[str, Any], key: str, where: str) -> Any:

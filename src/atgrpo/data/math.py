@@ -33,7 +33,6 @@ import functools
 import hashlib
 import importlib.util
 import itertools
-import json
 import math
 import random
 import warnings
@@ -44,6 +43,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from atgrpo.data import rows as row_files
 from atgrpo.data.mathcheck import MathDatasetError as MathDatasetError
 from atgrpo.data.mathcheck import _missing, _normalise
 from atgrpo.data.mathcheck import extract_boxed as extract_boxed
@@ -121,39 +121,8 @@ def package_file(module: str, relative: str, pip_name: str) -> Path:
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a ``.jsonl`` (one object per line), ``.json`` (a list of objects, or an
-    object holding one under ``"data"``) or ``.parquet`` file (needs pyarrow)."""
-    path = Path(path)
-    if not path.is_file():
-        raise MathDatasetError(f"{path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        if importlib.util.find_spec("pyarrow") is None:
-            raise MathDatasetError(f"{path}: reading parquet needs pyarrow: pip install pyarrow")
-        import pyarrow.parquet as pq
-
-        rows: Any = pq.read_table(path).to_pylist()
-    elif suffix == ".jsonl":
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise MathDatasetError(f"{path}:{line_no}: not JSON: {exc}") from exc
-    elif suffix == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise MathDatasetError(f"{path}: not JSON: {exc}") from exc
-        if isinstance(rows, dict) and isinstance(rows.get("data"), list):
-            rows = rows["data"]
-    else:
-        raise MathDatasetError(f"{path}: unknown format {suffix!r}; use .jsonl, .json or .parquet")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise MathDatasetError(f"{path}: expected a list of JSON objects (one per problem)")
-    return rows
+    """The rows of a ``.jsonl``, ``.json`` or ``.parquet`` file (:mod:`atgrpo.data.rows`)."""
+    return row_files.read_rows(path, error=MathDatasetError)
 
 
 def _nonempty_field(row: dict[str, Any], name: str, where: str) -> Any:

@@ -55,8 +55,6 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
@@ -72,6 +70,7 @@ from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from atgrpo.data import rows as row_files
 from atgrpo.data.base import DatasetError
 from atgrpo.envs.base import (
     EnvError,
@@ -96,7 +95,6 @@ from atgrpo.parsing import without_surrogates
 from atgrpo.splits import SEED_RANGES, Split, split_of
 
 ANSWERER = "answerer"
-FORMATS = (".jsonl", ".json", ".parquet")
 ROLES = ("system", "user", "assistant")
 # The keyword arguments atgrpo passes itself; a column of one of these names is not passed.
 RESERVED = ("prompts", "completions")
@@ -184,10 +182,10 @@ class DatasetConfig(ToolAgentConfig):
     @classmethod
     def _readable(cls, value: str) -> str:
         path = Path(value)
-        if path.suffix.lower() not in FORMATS:
+        if row_files.file_format(path) is None:
             raise ValueError(
-                f"{value!r} is not a .jsonl, .json or .parquet file; convert the prompts to "
-                "JSONL (one JSON object per line)"
+                f"{value!r} is not a {', '.join(row_files.FORMATS)} file; convert the prompts "
+                "to JSONL (one JSON object per line)"
             )
         if not path.is_file():
             raise ValueError(
@@ -348,38 +346,13 @@ class DatasetSplits:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a .jsonl, .json or .parquet file; one-line errors."""
-    suffix = path.suffix.lower()
-    if not path.is_file():
-        raise DatasetEnvError(f"{path}: no such file; set env.path to a JSONL file of prompts")
-    if suffix == ".parquet":
-        if importlib.util.find_spec("pyarrow") is None:
-            raise DatasetEnvError(f"{path}: reading parquet needs pyarrow: pip install pyarrow")
-        import pyarrow.parquet as pq
-
-        rows: Any = pq.read_table(path).to_pylist()
-    elif suffix == ".json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DatasetEnvError(f"{path}: not JSON ({exc}); give a list of objects") from None
-    else:
-        rows = []
-        with path.open(encoding="utf-8", errors="replace") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise DatasetEnvError(
-                        f"{path}:{line_no}: not JSON ({exc}); write one JSON object per line"
-                    ) from None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise DatasetEnvError(f"{path}: expected JSON objects, one per prompt")
-    if not rows:
+    """The rows of a .jsonl, .json or .parquet file (:mod:`atgrpo.data.rows`); at least one."""
+    found = row_files.read_rows(
+        path, error=DatasetEnvError, hint="set env.path to a JSONL file of prompts"
+    )
+    if not found:
         raise DatasetEnvError(f"{path}: no rows; write one JSON object per prompt")
-    return rows
+    return found
 
 
 def _messages(prompt: Any, system: str | None, where: str, field: str) -> tuple[Message, ...]:
