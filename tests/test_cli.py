@@ -222,9 +222,39 @@ def test_zero_steps_name_no_metrics_file_and_a_missing_config_is_named(
 ) -> None:
     code, out, _ = _run(capsys, "train", TINY, f"run.output_dir={tmp_path}", "train.steps=0")
     assert code == 0 and "metrics:" not in out
+    assert "\ndecode: " in out  # the header's second line
     with pytest.raises(SystemExit):
         main(["train"])
     assert "required: config\n" in capsys.readouterr().err  # not "config, overrides"
+
+
+def test_the_header_names_the_decode_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header's decode line: the engine, the device, rollout.cpu_kernels and the precision,
+    and on CPU whether atgrpo's AVX-512 kernels run (as sampled tokens depend on it)."""
+    import torch
+
+    from atgrpo import policies
+    from atgrpo.config import load_config
+    from atgrpo.generation import cpu
+
+    def path(*overrides: str) -> str:
+        return policies.decode_path(load_config(TINY, ["model.precision=fp32", *overrides]))
+
+    monkeypatch.setattr(policies, "default_device", lambda: torch.device("cpu"))
+    assert path("rollout.cpu_kernels=off") == "torch (rollout.cpu_kernels: off)"
+    monkeypatch.setattr(cpu.kernels, "cpu_supports", lambda: False)
+    assert path() == "torch (this CPU has no AVX-512)"
+    monkeypatch.setattr(cpu.kernels, "cpu_supports", lambda: True)
+    monkeypatch.setattr(cpu.kernels, "extension", lambda: None)  # the build failed
+    assert path() == "torch (atgrpo's AVX-512 kernels did not build)"
+    monkeypatch.setattr(cpu.kernels, "extension", lambda: object())
+    assert path() == "atgrpo AVX-512 kernels"
+    bf16 = path("model.precision=bf16_autocast")
+    assert bf16 == "torch under bfloat16 autocast (atgrpo's kernels are float32)"
+    assert path("rollout.engine=vllm") == "vLLM"
+    monkeypatch.setattr(policies, "default_device", lambda: torch.device("cuda"))
+    assert path() == "transformers on cuda"
+    assert path("rollout.engine=auto", "backend.kind=ray").startswith("chosen on each Ray worker")
 
 
 def test_ctrl_c_names_the_step_to_resume_from(

@@ -167,9 +167,10 @@ def _resume_hint(cfg: Any, config: str) -> str:
 
 
 def _train_header(cfg: Any) -> str:
-    """One line: the run, its env and workflow, policies, model(s), budget and output folder."""
+    """Two lines: the run, its env and workflow, policies, model(s), budget and output folder;
+    then the path the rollout's decoding takes (sampled tokens depend on it)."""
     from atgrpo.envs import make_env
-    from atgrpo.policies import describe_regime, resolve_routing
+    from atgrpo.policies import decode_path, describe_regime, resolve_routing
 
     policy_of = resolve_routing(cfg, make_env(cfg.env).possible_agents)
     workflow = getattr(cfg.env, "workflow", None)
@@ -179,6 +180,7 @@ def _train_header(cfg: Any) -> str:
         f"{cfg.run.name}: env {env}, {describe_regime(cfg, policy_of)}, model {models}, "
         f"{cfg.train.steps} steps x {cfg.rollout.num_tasks} tasks x K={cfg.rollout.num_generations}"
         f" ({cfg.rollout.sampling.value}, grouping {cfg.algo.grouping.value}) -> {cfg.run_dir}"
+        f"\ndecode: {decode_path(cfg)}"
     )
 
 

@@ -144,6 +144,11 @@ class RolloutEngine(enum.StrEnum):
     AUTO = "auto"  # vllm on a GPU where vLLM is installed, else hf (said in one line)
 
 
+class CpuKernels(enum.StrEnum):
+    AUTO = "auto"  # the HF engine's CPU decode engine where it applies (atgrpo.generation.cpu)
+    OFF = "off"  # plain transformers and the sampler
+
+
 class VLLMConfig(_Section):
     """The vLLM rollout engine (``rollout.engine: vllm``); docs/cluster.md."""
 
@@ -342,6 +347,25 @@ class RolloutConfig(_Section):
         ),
     )
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)  # type: ignore[arg-type]
+    cpu_kernels: CpuKernels = Field(
+        CpuKernels.AUTO,
+        description=(
+            "HF engine on CPU: auto decodes on atgrpo's CPU decode engine, each part where it "
+            "applies: linear layers on weights packed once per rollout, each prompt's keys and "
+            "values held once for its K samples, and in float32 on a CPU with AVX-512 atgrpo's "
+            "own kernels (built by the system's C++ compiler at the first rollout; equal to "
+            "torch's to rounding, so the sampled tokens differ from a CPU without them); off: "
+            "plain transformers and the sampler. The run's header line names the path taken."
+        ),
+    )
+
+    @field_validator("cpu_kernels", mode="before")
+    @classmethod
+    def _off_as_yaml_reads_it(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted off (and on) as a boolean
+        if isinstance(value, bool):
+            return CpuKernels.AUTO if value else CpuKernels.OFF
+        return value
 
     def agent(self, agent_id: str) -> AgentRollout:
         """``agent_id``'s settings: ``agents.<id>``, then the rollout's own; the one place the

@@ -33,8 +33,10 @@ from atgrpo.algo.records import Sample
 from atgrpo.config import (
     SHARED_POLICY,
     AdamWImpl,
+    BackendKind,
     Config,
     ConfigError,
+    CpuKernels,
     LoraConfig,
     Precision,
     RolloutEngine,
@@ -48,6 +50,7 @@ from atgrpo.generation import (
     VLLMGenerator,
     VLLMSettings,
 )
+from atgrpo.generation import decode_path as hf_decode_path
 from atgrpo.generation.memory import training_state_bytes
 from atgrpo.generation.vllm import require_vllm, vllm_installed
 from atgrpo.models import (
@@ -69,6 +72,7 @@ __all__ = [
     "build_generators",
     "build_policies",
     "build_policy",
+    "decode_path",
     "describe_regime",
     "make_encoder",
     "resolve_routing",
@@ -85,6 +89,7 @@ class PolicyGenerator:
     (:func:`rollout_copy`), refreshed by :meth:`sync_weights` after each update: the key/value
     cache is bf16 and no decode step re-casts float32 weights or keys. Elsewhere (CPU, float32,
     a LoRA policy, whose base is already bf16 there) it samples from the training model itself.
+    ``cpu_kernels``: on CPU, decode on atgrpo's CPU decode engine (``rollout.cpu_kernels: auto``).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class PolicyGenerator:
         max_batch_size: int | Literal["auto"] | None = None,
         *,
         share_prefill: bool,
+        cpu_kernels: bool = True,
     ) -> None:
         self.policy = policy
         self.copy = rollout_copy(policy)
@@ -100,6 +106,7 @@ class PolicyGenerator:
             policy.model if self.copy is None else self.copy,
             policy.tokenizer,
             share_prefill=share_prefill,  # rollout.share_prefill
+            cpu_kernels=cpu_kernels,  # rollout.cpu_kernels
             autocast_dtype=policy.autocast_dtype,
             max_batch_size=max_batch_size,
             held_bytes=0 if self.copy is None else training_state_bytes(policy.model),
@@ -152,8 +159,11 @@ def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, G
     device = next(next(iter(policies.values())).model.parameters()).device
     if resolved_engine(cfg.rollout.engine, device) is RolloutEngine.HF:
         batch = cfg.rollout.generation_batch_size or None  # 0: all prompts in one call
-        share = cfg.rollout.share_prefill
-        return {pid: PolicyGenerator(p, batch, share_prefill=share) for pid, p in policies.items()}
+        share, cpu = cfg.rollout.share_prefill, cfg.rollout.cpu_kernels is CpuKernels.AUTO
+        return {
+            pid: PolicyGenerator(p, batch, share_prefill=share, cpu_kernels=cpu)
+            for pid, p in policies.items()
+        }
     try:
         require_vllm()
     except ImportError as exc:
@@ -170,6 +180,26 @@ def build_generators(cfg: Config, policies: Mapping[str, Policy]) -> dict[str, G
             engines[key], policy.model, policy.tokenizer, adapter=policy.adapter
         )
     return generators
+
+
+def decode_path(cfg: Config) -> str:
+    """How the rollout's decode step will run on this machine, in a few words (the run's header
+    line): ``rollout.engine`` as :func:`build_generators` resolves it on this process's device,
+    then for the HF engine ``rollout.cpu_kernels`` and the precision."""
+    rollout = cfg.rollout
+    if cfg.backend.kind is BackendKind.RAY:
+        return (
+            f"chosen on each Ray worker (rollout.engine: {rollout.engine.value}, "
+            f"rollout.cpu_kernels: {rollout.cpu_kernels.value})"
+        )
+    device = default_device()
+    with warnings.catch_warnings():  # build_generators gives the fallback's warning
+        warnings.simplefilter("ignore", EngineFallbackWarning)
+        engine = resolved_engine(rollout.engine, device)
+    if engine is RolloutEngine.VLLM:
+        return "vLLM"
+    autocast = autocast_dtype_for(cfg.model.precision)
+    return hf_decode_path(device, autocast, rollout.cpu_kernels is CpuKernels.AUTO)
 
 
 class EngineFallbackWarning(UserWarning):

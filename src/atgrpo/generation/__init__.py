@@ -4,7 +4,7 @@
 """
 
 from atgrpo.generation.base import Generation, Generator, SamplingParams
-from atgrpo.generation.hf import HFGenerator
+from atgrpo.generation.hf import HFGenerator, decode_path
 from atgrpo.generation.vllm import VLLMEngine, VLLMGenerator, VLLMSettings
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "VLLMEngine",
     "VLLMGenerator",
     "VLLMSettings",
+    "decode_path",
 ]

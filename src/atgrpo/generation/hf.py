@@ -325,6 +325,17 @@ def _empty_cache(model: Any) -> DynamicCache:
     return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
+def decode_path(device: torch.device, autocast_dtype: torch.dtype | None, cpu_kernels: bool) -> str:
+    """The path an HF engine's decode step takes on ``device``, in a few words (the run's header
+    line): transformers on a GPU; on CPU the CPU decode engine's (:mod:`atgrpo.generation.cpu`),
+    or torch where ``cpu_kernels`` is off."""
+    if device.type != "cpu":
+        return f"transformers on {device.type}"
+    if not cpu_kernels:
+        return "torch (rollout.cpu_kernels: off)"
+    return _cpu_engine().decode_path(autocast_dtype)
+
+
 def _cpu_engine() -> type[CpuEngine]:
     """The CPU decode engine: the one place the HF engine enters :mod:`atgrpo.generation.cpu`,
     imported here at first use, so that nothing loads it (its kernels, its patches of
