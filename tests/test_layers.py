@@ -3,13 +3,17 @@
 Every import in src/atgrpo, top-level or inside a function, is read with ``ast``; each module
 belongs to a unit (a top-level module or a subpackage), each unit to a layer of :data:`LAYERS`.
 A unit may import its own modules and the units of lower layers, nothing above or beside it,
-and no set of modules may import each other in a circle.
+and no set of modules may import each other in a circle. Some units are entered only through
+some of their modules (:data:`DOORS`, :data:`ENTERED_FROM`): the algorithm sees the rollout
+engines through their contract alone, and the CPU decode engine is entered from the HF engine.
 """
 
 from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +39,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),  # finding, preparing and loading models
     ("sandbox", "parsing", "splits", "attention"),  # leaves
 )
+
+# (unit, a unit below it) -> the only modules of the second the first may import: algo/ sees the
+# rollout engines through their contract, so importing the algorithm loads no engine.
+DOORS: dict[tuple[str, str], frozenset[str]] = {
+    ("algo", "generation"): frozenset({"atgrpo.generation.base"}),
+}
+# A subpackage -> the only modules outside it that may import it: the CPU decode engine is
+# entered from the HF engine alone.
+ENTERED_FROM: dict[str, frozenset[str]] = {
+    "atgrpo.generation.cpu": frozenset({"atgrpo.generation.hf"}),
+}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -104,7 +119,33 @@ def layer_problems(root: Path) -> list[str]:
             other = unit_of(target)
             if other != unit and rank.get(other, -1) <= rank[unit]:
                 problems.append(f"{module} -> {target}: {unit!r} may not import {other!r}")
+    problems.extend(door_problems(graph))
     problems.extend(f"circle: {' -> '.join(c)}" for c in circles(graph))
+    return problems
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def door_problems(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that enters a unit or a subpackage other than through its doors."""
+    problems = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            doors = DOORS.get((unit_of(module), unit_of(target)))
+            if doors is not None and target not in doors:
+                problems.append(
+                    f"{module} -> {target}: {unit_of(module)!r} may import only "
+                    f"{', '.join(sorted(doors))} of {unit_of(target)!r}"
+                )
+            for package, entries in ENTERED_FROM.items():
+                entered = _within(target, package) and not _within(module, package)
+                if entered and module not in entries:
+                    problems.append(
+                        f"{module} -> {target}: {package} is entered only from "
+                        f"{', '.join(sorted(entries))}"
+                    )
     return problems
 
 
@@ -150,6 +191,53 @@ def test_an_upward_import_and_a_circle_are_caught(tmp_path: Path) -> None:
         "atgrpo.algo.loss -> atgrpo.config: 'algo' may not import 'config'",
         "circle: atgrpo.algo.loss -> atgrpo.config",  # config imports loss's enums
     ]
+
+
+def test_algo_sees_the_engines_only_through_their_contract() -> None:
+    """The door rules on a synthetic import list: algo/ may take generation.base, not the
+    package's face nor an engine; only the HF engine enters the CPU engine."""
+    graph = {
+        "atgrpo.algo.rollout": {"atgrpo.generation.base", "atgrpo.models"},  # allowed
+        "atgrpo.algo.prefix": {"atgrpo.generation", "atgrpo.generation.hf"},
+        "atgrpo.generation.hf": {"atgrpo.generation.cpu", "atgrpo.generation.sampler"},  # allowed
+        "atgrpo.generation.cpu.engine": {"atgrpo.generation.cpu.fused"},  # inside: allowed
+        "atgrpo.generation.vllm": {"atgrpo.generation.cpu.kernels"},
+    }
+    assert door_problems(graph) == [
+        "atgrpo.algo.prefix -> atgrpo.generation: 'algo' may import only "
+        "atgrpo.generation.base of 'generation'",
+        "atgrpo.algo.prefix -> atgrpo.generation.hf: 'algo' may import only "
+        "atgrpo.generation.base of 'generation'",
+        "atgrpo.generation.vllm -> atgrpo.generation.cpu.kernels: atgrpo.generation.cpu is "
+        "entered only from atgrpo.generation.hf",
+    ]
+
+
+def test_a_planted_import_of_the_cpu_engine_in_algo_is_caught(tmp_path: Path) -> None:
+    copy = tmp_path / "atgrpo"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    loss = copy / "algo" / "loss.py"
+    loss.write_text(loss.read_text() + "\nfrom atgrpo.generation.cpu import extension\n")
+    before = set(layer_problems(PACKAGE))
+    assert [problem for problem in layer_problems(copy) if problem not in before] == [
+        "atgrpo.algo.loss -> atgrpo.generation.cpu: 'algo' may import only "
+        "atgrpo.generation.base of 'generation'",
+        "atgrpo.algo.loss -> atgrpo.generation.cpu: atgrpo.generation.cpu is entered only from "
+        "atgrpo.generation.hf",
+    ]
+
+
+def test_importing_the_update_loads_no_module_of_the_cpu_engine() -> None:
+    """``import atgrpo.algo.update`` in a fresh process: the algorithm's imports (and the
+    package's face, which it runs first) load none of atgrpo.generation.cpu."""
+    code = (
+        "import sys, atgrpo.algo.update\n"
+        "print(sorted(m for m in sys.modules if m.startswith('atgrpo.generation.cpu')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert done.stdout.strip() == "[]"
 
 
 def test_a_module_outside_every_layer_is_named(tmp_path: Path) -> None:
