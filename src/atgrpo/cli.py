@@ -43,6 +43,7 @@ from atgrpo import __version__
 from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import ConfigError, RolloutEngine, dump_config, load_config
 from atgrpo.data.base import DatasetError
+from atgrpo.distributed.cluster import WorkerLostError
 from atgrpo.envs.base import EnvError
 from atgrpo.experiments.intervals import report_gain, report_interval
 from atgrpo.experiments.runs import RunFailedError
@@ -61,6 +62,7 @@ EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     CheckpointError,
     RunFailedError,
     PromptTooLongError,
+    WorkerLostError,
 )
 # Libraries whose warnings --verbose alone shows (ours always show, as one line).
 _CHATTY = r"(transformers|torch|peft|huggingface_hub|accelerate|safetensors|tokenizers)(\.|$)"
@@ -151,8 +153,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (TrainError, CheckpointError) as exc:  # the folder is in use; nothing to resume
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except WorkerLostError as exc:  # a Ray worker died: the newest committed checkpoint stands
+        line = f"{_lost_worker(exc)}; the run stopped: {_resume_hint(cfg, args.config)}"
+        print(f"error: {line}", file=sys.stderr)
+        return 1
     _print_train_result(result)
     return 0
+
+
+def _lost_worker(exc: WorkerLostError) -> str:
+    """Which worker was lost, and in which step's phase: the step is the loop's step function's
+    own ``step``, found in the traceback."""
+    from atgrpo.training.loop import _train_step
+
+    step = next(
+        (
+            frame.f_locals["step"]
+            for frame, _ in traceback.walk_tb(exc.__traceback__)
+            if frame.f_code is _train_step.__code__
+        ),
+        None,
+    )
+    during = f"step {step}'s {exc.call}" if step is not None else f"the {exc.call}"
+    return f"{exc.worker} was lost during {during} ({exc.reason})"
 
 
 def _resume_hint(cfg: Any, config: str) -> str:

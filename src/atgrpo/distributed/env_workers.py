@@ -69,7 +69,12 @@ class RayEnvStepper:
                 f"{timeout_s:.0f}s; the cluster has {ray.available_resources()} free: lower "
                 "backend.num_env_workers or backend.env_worker_cpus, or add nodes"
             )
-        get_all(refs)  # an actor that failed to start raises here
+        get_all(refs, self.names(), "start")  # an actor that failed to start raises here
+
+    def names(self) -> list[str]:
+        """The env workers as a failure names them."""
+        n = len(self.workers)
+        return [f"the Ray env worker {i} of {n}" for i in range(n)]
 
     def step(
         self, envs: list[MultiAgentEnv], actions: list[str]
@@ -81,7 +86,7 @@ class RayEnvStepper:
         refs = [self.workers[w].step.remote(envs[w::n], actions[w::n]) for w in range(n)]
         stepped: list[Any] = [None] * len(envs)
         outcomes: list[Any] = [None] * len(envs)
-        for w, (share, share_outcomes) in enumerate(get_all(refs)):
+        for w, (share, share_outcomes) in enumerate(get_all(refs, self.names()[:n], "rollout")):
             stepped[w::n] = share  # a share of another length fails here, loudly
             outcomes[w::n] = share_outcomes
         return stepped, outcomes

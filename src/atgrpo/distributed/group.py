@@ -12,10 +12,15 @@ splits the
   policy's samples over the ranks and returns the step's ``UpdateStats`` as a future (so the
   groups of several policies step at the same time), the learning rate, and checkpoint save and
   restore, which the workers do on their own nodes.
+
+A worker that dies (killed, out of memory, its node gone) fails the call it was in as a
+:class:`~atgrpo.distributed.cluster.WorkerLostError` naming its policies, rank, pid and node and
+the phase of the step; the run stops and :class:`RayPolicies` kills the rest of every group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +74,21 @@ class PolicyGroup:
             for rank in range(n)
         ]
         self.waiter = ThreadPoolExecutor(max_workers=1)  # resolves this group's update futures
+        self.places: list[str] = []  # per rank, once started: "pid N on <node ip>"
+
+    def worker_name(self, rank: int) -> str:
+        """A worker as failures name it: its policies, rank and, once started, pid and node."""
+        n = len(self.workers)
+        which = "y" if len(self.policy_ids) == 1 else "ies"
+        details = [f"rank {rank} of {n}"] if n > 1 else []
+        details += self.places[rank : rank + 1]
+        where = f" ({', '.join(details)})" if details else ""
+        return f"the Ray worker of polic{which} {', '.join(self.policy_ids)}{where}"
+
+    def get(self, call: str, refs: dict[int, Any]) -> list[Any]:
+        """The results of ``refs`` (rank -> that rank's call) in rank order; a worker that died
+        is a ``WorkerLostError`` naming it and ``call``, the phase of the step."""
+        return get_all(list(refs.values()), [self.worker_name(r) for r in refs], call)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the group is placed and its models are loaded; join its process group."""
@@ -81,10 +101,14 @@ class PolicyGroup:
                 f"cluster has {ray.available_resources()} free: lower backend.policies."
                 f"{self.name} or add nodes"
             )
-        get_all([w.ready.remote() for w in self.workers])
+        self.places = self.get("start", self.on_each(lambda w: w.ready.remote()))
         if len(self.workers) > 1 or self.sharded:  # a sharded group of 1 is still FSDP2
-            address = ray.get(self.workers[0].rendezvous_address.remote())
-            get_all([w.join.remote(address) for w in self.workers])
+            (address,) = self.get("start", {0: self.workers[0].rendezvous_address.remote()})
+            self.get("start", self.on_each(lambda w: w.join.remote(address)))
+
+    def on_each(self, call: Callable[[Any], Any]) -> dict[int, Any]:
+        """``call(worker)`` on every rank: rank -> its result's ref."""
+        return {rank: call(worker) for rank, worker in enumerate(self.workers)}
 
     def close(self) -> None:
         """Kill this group's actors and free its placement group (nothing else)."""
@@ -108,28 +132,31 @@ class RemoteGenerator:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         rng = torch.get_rng_state()
         shards = _contiguous(prompts, len(self.group.workers))
-        refs = [
-            worker.generate.remote(self.policy_id, shard, params, rng)
-            for worker, shard in zip(self.group.workers, shards, strict=True)
+        refs = {
+            rank: worker.generate.remote(self.policy_id, shard, params, rng)
+            for rank, (worker, shard) in enumerate(zip(self.group.workers, shards, strict=True))
             if shard
-        ]
+        }
         if not refs:
             return []
-        results = get_all(refs)
+        results = self.group.get("rollout", refs)
         torch.set_rng_state(results[0][1])  # the driver's stream goes on from rank 0's draws
         return [g for generations, _ in results for g in generations]
 
     def sync_weights(self) -> None:
         """Every rank's engine samples from its new weights (a no-op for the HF engine unless
         sharded: then every rank gathers the new weights into its rollout copy)."""
-        get_all([w.sync_weights.remote(self.policy_id) for w in self.group.workers])
+        pid = self.policy_id
+        self.group.get("update", self.group.on_each(lambda w: w.sync_weights.remote(pid)))
 
     def sleep(self) -> None:
         """Every rank's engine gives its device memory to the update (vLLM's sleep mode)."""
-        get_all([w.sleep_engine.remote(self.policy_id) for w in self.group.workers])
+        pid = self.policy_id
+        self.group.get("update", self.group.on_each(lambda w: w.sleep_engine.remote(pid)))
 
     def wake_up(self) -> None:
-        get_all([w.wake_engine.remote(self.policy_id) for w in self.group.workers])
+        pid = self.policy_id
+        self.group.get("update", self.group.on_each(lambda w: w.wake_engine.remote(pid)))
 
 
 class RemoteLearner:
@@ -143,21 +170,23 @@ class RemoteLearner:
         # The mini-batches are planned here, once for the whole batch, and dealt to the ranks.
         shards = shard_update(samples, settings, len(workers))
         rng = torch.get_rng_state()
-        refs = [
-            worker.update.remote(self.policy_id, shard, settings, rng)
-            for worker, shard in zip(workers, shards, strict=True)
-        ]
+        refs = {
+            rank: worker.update.remote(self.policy_id, shard, settings, rng)
+            for rank, (worker, shard) in enumerate(zip(workers, shards, strict=True))
+        }
         # Every rank returns the same whole-batch statistics; rank 0's stand for the group.
-        return self.group.waiter.submit(lambda: get_all(refs)[0])
+        return self.group.waiter.submit(lambda: self.group.get("update", refs)[0])
 
     def last_lr(self) -> float:
-        return float(ray.get(self.group.workers[0].last_lr.remote(self.policy_id)))
+        (lr,) = self.group.get("update", {0: self.group.workers[0].last_lr.remote(self.policy_id)})
+        return float(lr)
 
     def save(self, out: Path) -> str:
         """The policy's folder, written on its workers' nodes: by rank 0, or every rank when
         the group is sharded (each its shards; rank 0 the full weights)."""
         writers = self.group.workers if self.group.sharded else self.group.workers[:1]
-        kind = str(get_all([w.save.remote(self.policy_id, str(out)) for w in writers])[0])
+        refs = {r: w.save.remote(self.policy_id, str(out)) for r, w in enumerate(writers)}
+        kind = str(self.group.get("checkpoint", refs)[0])
         if not out.is_dir():
             raise RuntimeError(
                 f"policy {self.policy_id!r} was saved on its worker's node but {out} is not "
@@ -166,16 +195,20 @@ class RemoteLearner:
         return kind
 
     def restore(self, checkpoint: Path) -> None:
-        get_all([w.restore.remote(self.policy_id, str(checkpoint)) for w in self.group.workers])
+        pid, folder = self.policy_id, str(checkpoint)
+        self.group.get("resume", self.group.on_each(lambda w: w.restore.remote(pid, folder)))
 
     def shard_sizes(self) -> list[Any]:
         """Per rank: the elements it holds of the trainable weights and optimizer state."""
-        return get_all([w.shard_sizes.remote(self.policy_id) for w in self.group.workers])
+        pid = self.policy_id
+        return self.group.get("check", self.group.on_each(lambda w: w.shard_sizes.remote(pid)))
 
     def digests(self) -> list[str]:
         """A hash of the trainable weights on every rank (equal while the ranks are in step)."""
+        pid = self.policy_id
         return [
-            str(d) for d in get_all([w.digest.remote(self.policy_id) for w in self.group.workers])
+            str(d)
+            for d in self.group.get("check", self.group.on_each(lambda w: w.digest.remote(pid)))
         ]
 
 
@@ -213,7 +246,9 @@ def start_ray_policies(cfg: Config, weights: dict[str, Path] | None = None) -> R
             for pid in group.policy_ids:
                 out.learners[pid] = RemoteLearner(group, pid)
                 out.generators[pid] = RemoteGenerator(group, pid)
-                out.tokenizers[pid] = ray.get(group.workers[0].tokenizer.remote(pid))
+                (out.tokenizers[pid],) = group.get(
+                    "start", {0: group.workers[0].tokenizer.remote(pid)}
+                )
     except BaseException:
         out.close()
         raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import gc
 import hashlib
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,11 @@ class PolicyWorker:
         """The group's driver calls :meth:`join` (several ranks, or FSDP2 on one)."""
         return self.world_size > 1 or self.sharded
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        """Where this worker runs, ``pid N on <node ip>`` (a failure names it so)."""
+        import ray
+
+        return f"pid {os.getpid()} on {ray.util.get_node_ip_address()}"
 
     # -- data parallelism ----------------------------------------------------------------------
 
