@@ -39,10 +39,15 @@ from atgrpo.sandbox import (
     SandboxLimits,
     SandboxSetupError,
     SandboxWarning,
+    cgroups,
+    launch,
+    probe,
     run_many,
     run_python,
     seccomp,
 )
+from atgrpo.sandbox import root as roots
+from atgrpo.sandbox import run as sandbox_run
 
 FAST = SandboxLimits(wall_time_s=2.0, cpu_time_s=2)
 IS_ROOT = os.geteuid() == 0
@@ -106,12 +111,12 @@ def _pids_in(namespace: str) -> list[int]:
 
 
 def _skip_without_private_fs() -> None:
-    if not sandbox._get_launcher().private_fs:
+    if not probe.get_launcher().private_fs:
         pytest.skip("no private file system here (mounting failed: see the SandboxWarning)")
 
 
-def _unshare_launcher() -> sandbox._Launcher:
-    return sandbox._build_launcher(IS_ROOT, Backend.UNSHARE)
+def _unshare_launcher() -> launch.Launcher:
+    return probe._build_launcher(IS_ROOT, Backend.UNSHARE)
 
 
 # --- ordinary programs ----------------------------------------------------------------------
@@ -150,8 +155,8 @@ def test_clean_environment(backend: Backend, monkeypatch: pytest.MonkeyPatch) ->
     r = run_python(code, FAST)
     env, cwd, files = json.loads(r.stdout)
     assert env.pop("PWD", cwd) == cwd  # bwrap always sets PWD
-    assert set(env) == {"PATH", "LANG", "HOME", "PYTHONDONTWRITEBYTECODE", *sandbox._THREAD_VARS}
-    assert [env[name] for name in sandbox._THREAD_VARS] == ["1"] * len(sandbox._THREAD_VARS)
+    assert set(env) == {"PATH", "LANG", "HOME", "PYTHONDONTWRITEBYTECODE", *launch._THREAD_VARS}
+    assert [env[name] for name in launch._THREAD_VARS] == ["1"] * len(launch._THREAD_VARS)
     assert env["PATH"] == "/usr/bin:/bin"
     assert env["HOME"] == cwd
     assert files == ["prog.py"]  # nothing of the launch's own files
@@ -164,8 +169,8 @@ def test_work_dir_may_have_spaces_in_its_path(monkeypatch: pytest.MonkeyPatch) -
     try:
         r = run_python("import os; open('f', 'w').write('x'); print(os.getcwd())", FAST)
         assert r.status is ExitStatus.OK, r.stderr
-        if sandbox._get_launcher().private_fs:
-            assert r.stdout == f"{sandbox.roots.WORKDIR}\n"  # the same path in every run
+        if probe.get_launcher().private_fs:
+            assert r.stdout == f"{roots.WORKDIR}\n"  # the same path in every run
         else:
             assert r.stdout.startswith(f"{base}/atgrpo-sandbox-")
         assert list(base.iterdir()) == []
@@ -178,7 +183,7 @@ def test_programs_import_the_training_environments_packages(backend: Backend) ->
     r = run_python(code, SandboxLimits(wall_time_s=60.0, cpu_time_s=60))
     assert r.status is ExitStatus.OK, r.stderr
     assert r.stdout == "45 {2: 4, 3: 1}\n"
-    assert sandbox._get_launcher().python == os.path.realpath(sys.executable)
+    assert probe.get_launcher().python == os.path.realpath(sys.executable)
 
 
 # --- hostile programs -------------------------------------------------------------------------
@@ -258,7 +263,7 @@ def test_disk_fill_is_bounded(backend: Backend, sandbox_tmp: Path) -> None:
 import json, os
 chunk = b"x" * (8 << 20)
 report = {{}}
-for where in [".", *{sandbox.roots.TEMP_DIRS!r}]:
+for where in [".", *{roots.TEMP_DIRS!r}]:
     for i in range(100):
         try:
             with open(os.path.join(where, "{tag}-%d" % i), "wb") as f:
@@ -276,7 +281,7 @@ print(json.dumps(report))
         r = run_python(code, limits)
         assert r.status is ExitStatus.OK, r.stderr
         report = json.loads(r.stdout)
-        assert set(report) == {".", *sandbox.roots.TEMP_DIRS}
+        assert set(report) == {".", *roots.TEMP_DIRS}
         for where, (stopped_by, used) in report.items():
             assert stopped_by == errno.ENOSPC, where
             assert 8 << 20 <= used <= limits.disk_mb << 20, where
@@ -297,7 +302,7 @@ print(json.dumps(report))
 @needs_root
 def test_nothing_persists_in_shared_temp_dirs(backend: Backend) -> None:
     _skip_without_private_fs()
-    paths = [f"{d}/persist-{uuid.uuid4().hex}" for d in sandbox.roots.TEMP_DIRS]
+    paths = [f"{d}/persist-{uuid.uuid4().hex}" for d in roots.TEMP_DIRS]
     try:
         r = run_python(f"for path in {paths!r}:\n    open(path, 'w').write('x')\nprint('ok')", FAST)
         assert r.stdout == "ok\n", r.stderr  # each program has its own temp dirs
@@ -445,7 +450,7 @@ def test_closed_stdout_does_not_hang(backend: Backend) -> None:
 
 @needs_root
 def test_runs_unprivileged(backend: Backend) -> None:
-    assert sandbox._get_launcher().backend is backend
+    assert probe.get_launcher().backend is backend
     r = run_python("import os; print(os.getuid(), os.getgid(), os.getgroups())", FAST)
     uid = sandbox.UNPRIVILEGED_UID
     assert r.stdout == f"{uid} {uid} []\n"
@@ -513,9 +518,9 @@ for path in {[str(d) for d in dirs]!r}:
         # What exists is the program's own: its fresh temp dirs (a checkout under /tmp has its
         # parent there, empty), /etc with the loader's cache alone, /usr/lib with the mount
         # points of the libraries the launch needs.
-        own = {*sandbox.roots.TEMP_DIRS, "/etc", "/usr/lib"}
+        own = {*roots.TEMP_DIRS, "/etc", "/usr/lib"}
         assert set(listed) <= own, listed
-        assert all(listed[d] == "[]" for d in listed if d in sandbox.roots.TEMP_DIRS), listed
+        assert all(listed[d] == "[]" for d in listed if d in roots.TEMP_DIRS), listed
         assert listed.get("/etc", "['ld.so.cache']") == "['ld.so.cache']", listed
     finally:
         shutil.rmtree(beside)
@@ -526,9 +531,9 @@ def test_listing_the_root_shows_only_the_programs_own_file_system(backend: Backe
     """Every file a program can find is in its root's list: the interpreter and its libraries,
     the allowed packages, its work dir; and / holds only their top directories."""
     _skip_without_private_fs()
-    launcher = sandbox._get_launcher()
-    binds = sandbox._program_root(launcher, FAST.packages).binds
-    allowed = [b.target for b in binds] + [sandbox.roots.WORKDIR, *sandbox.roots.TEMP_DIRS]
+    launcher = probe.get_launcher()
+    binds = launch.program_root(launcher, FAST.packages).binds
+    allowed = [b.target for b in binds] + [roots.WORKDIR, *roots.TEMP_DIRS]
     code = f"""
 import json, os
 allowed, files = {allowed!r}, []
@@ -581,7 +586,7 @@ def test_packages_outside_the_allow_list_are_not_importable(backend: Backend) ->
     code += "('numpy', 'sympy', 'mpmath', 'packaging', 'torch', 'transformers')])"
     r = run_python(code, FAST)
     expect = [True, True, True, False, False, False]  # mpmath: sympy requires it
-    if not sandbox._get_launcher().private_fs:
+    if not probe.get_launcher().private_fs:
         pytest.skip("no root of its own here: programs see the whole environment")
     assert r.stdout == f"{expect}\n", r.stderr
     more = dataclasses.replace(FAST, packages=(*FAST.packages, "packaging"))
@@ -593,14 +598,14 @@ def test_packages_outside_the_allow_list_are_not_importable(backend: Backend) ->
 
 @pytest.mark.parametrize("package", sorted(ANSWER_PACKAGES))
 def test_a_package_with_benchmark_answers_is_refused(package: str) -> None:
-    if not sandbox._get_launcher().private_fs:
+    if not probe.get_launcher().private_fs:
         pytest.skip("no root of its own here")
     with pytest.raises(SandboxSetupError, match=f"package '{package}'.*may not be imported"):
         run_python("pass", dataclasses.replace(FAST, packages=("numpy", package)))
 
 
 def test_a_package_that_is_not_installed_is_a_setup_error() -> None:
-    if not sandbox._get_launcher().private_fs:
+    if not probe.get_launcher().private_fs:
         pytest.skip("no root of its own here")
     with pytest.raises(SandboxSetupError, match=r"'no-such-pkg' .* is not installed"):
         run_python("pass", dataclasses.replace(FAST, packages=("no-such-pkg",)))
@@ -610,7 +615,7 @@ def test_a_package_that_is_not_installed_is_a_setup_error() -> None:
 
 
 def _skip_without_cgroups() -> None:
-    if sandbox._get_launcher().cgroups is None:
+    if probe.get_launcher().cgroups is None:
         pytest.skip("no control group here (see the SandboxWarning)")
 
 
@@ -666,7 +671,7 @@ def test_a_fork_bomb_leaves_another_program_room_to_fork(backend: Backend) -> No
 @needs_root
 def test_the_control_group_is_removed_after_the_run(backend: Backend) -> None:
     _skip_without_cgroups()
-    setup = sandbox._get_launcher().cgroups
+    setup = probe.get_launcher().cgroups
     assert setup is not None
     mine = f"atgrpo-sandbox-{os.getpid()}-"
     run_python(SHOW_NAMESPACE + "import time; time.sleep(30)", SandboxLimits(wall_time_s=1.0))
@@ -677,14 +682,14 @@ def test_the_control_group_is_removed_after_the_run(backend: Backend) -> None:
 def test_without_a_control_group_per_process_limits_are_announced(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    launcher = dataclasses.replace(sandbox._get_launcher(), cgroups=None)
-    monkeypatch.setattr(sandbox.cgroups, "find", lambda: (None, "simulated: no controllers"))
+    launcher = dataclasses.replace(probe.get_launcher(), cgroups=None)
+    monkeypatch.setattr(cgroups, "find", lambda: (None, "simulated: no controllers"))
     with pytest.warns(SandboxWarning, match="no control group .*simulated.*fork bomb"):
-        bare = sandbox._grouped.__wrapped__(launcher)
+        bare = probe._grouped.__wrapped__(launcher)
     assert bare.cgroups is None
-    assert f"--nproc={FAST.max_processes}" in sandbox._prlimit_args(FAST, grouped=False)
-    assert not any(a.startswith("--nproc") for a in sandbox._prlimit_args(FAST, grouped=True))
-    monkeypatch.setattr(sandbox, "_get_launcher", lambda: bare)
+    assert f"--nproc={FAST.max_processes}" in launch._prlimit_args(FAST, grouped=False)
+    assert not any(a.startswith("--nproc") for a in launch._prlimit_args(FAST, grouped=True))
+    monkeypatch.setattr(sandbox_run, "get_launcher", lambda: bare)
     assert run_python("print('hi')", FAST).stdout == "hi\n"
 
 
@@ -707,18 +712,18 @@ os.chmod(".", 0)
 
 
 def test_missing_launcher_tool_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    launcher = sandbox._get_launcher()
+    launcher = probe.get_launcher()
     broken = dataclasses.replace(launcher, prlimit="/nonexistent/prlimit")
-    monkeypatch.setattr(sandbox, "_get_launcher", lambda: broken)
+    monkeypatch.setattr(sandbox_run, "get_launcher", lambda: broken)
     r = run_python("print('hi')", FAST)
     assert r.status is ExitStatus.LAUNCH_FAILED, r
     assert "prlimit" in r.stderr
 
 
 def test_missing_first_stage_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    launcher = sandbox._get_launcher()
+    launcher = probe.get_launcher()
     broken = dataclasses.replace(launcher, outer=("/nonexistent/setpriv", *launcher.outer[1:]))
-    monkeypatch.setattr(sandbox, "_get_launcher", lambda: broken)
+    monkeypatch.setattr(sandbox_run, "get_launcher", lambda: broken)
     r = run_python("print('hi')", FAST)
     assert r.status is ExitStatus.LAUNCH_FAILED
     assert "/nonexistent/setpriv" in r.stderr
@@ -731,7 +736,7 @@ def test_missing_unshare_is_launch_failed(monkeypatch: pytest.MonkeyPatch) -> No
         pytest.skip("unshare does not work here")
     argv = launcher.namespaces_argv
     broken = dataclasses.replace(launcher, namespaces_argv=("/nonexistent/unshare", *argv[1:]))
-    monkeypatch.setattr(sandbox, "_get_launcher", lambda: broken)
+    monkeypatch.setattr(sandbox_run, "get_launcher", lambda: broken)
     r = run_python("print('hi')", FAST)
     assert r.status is ExitStatus.LAUNCH_FAILED
     assert "unshare" in r.stderr
@@ -742,8 +747,8 @@ def test_failing_mount_step_is_launch_failed(monkeypatch: pytest.MonkeyPatch) ->
     launcher = _unshare_launcher()
     if not launcher.private_fs:
         pytest.skip("no private file system here")
-    monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
-    monkeypatch.setattr(sandbox, "_MOUNT_SCRIPT", FAILING_MOUNT_STEP)
+    monkeypatch.setattr(sandbox_run, "get_launcher", lambda: launcher)
+    monkeypatch.setattr(launch, "_MOUNT_SCRIPT", FAILING_MOUNT_STEP)
     r = run_python("print('hi')", FAST)
     assert r.status is ExitStatus.LAUNCH_FAILED
     assert "simulated failure" in r.stderr
@@ -755,11 +760,11 @@ def test_where_mounting_fails_the_weaker_isolation_is_announced(
 ) -> None:
     if not _unshare_launcher().namespaces:
         pytest.skip("unshare does not work here")
-    monkeypatch.setattr(sandbox, "_MOUNT_SCRIPT", FAILING_MOUNT_STEP)
+    monkeypatch.setattr(launch, "_MOUNT_SCRIPT", FAILING_MOUNT_STEP)
     with pytest.warns(SandboxWarning, match="cannot give sandboxed programs a root of their own"):
-        launcher = sandbox._build_launcher.__wrapped__(True, Backend.UNSHARE)
+        launcher = probe._build_launcher.__wrapped__(True, Backend.UNSHARE)
     assert launcher.namespaces and launcher.drop_privileges and not launcher.private_fs
-    monkeypatch.setattr(sandbox, "_get_launcher", lambda: launcher)
+    monkeypatch.setattr(sandbox_run, "get_launcher", lambda: launcher)
     r = run_python("import os; print(os.getuid())", FAST)  # today's chain still works
     assert r.stdout == f"{sandbox.UNPRIVILEGED_UID}\n", r.stderr
 
@@ -768,7 +773,7 @@ def test_where_mounting_fails_the_weaker_isolation_is_announced(
 def test_mount_step_refuses_to_run_outside_a_fresh_namespace(tmp_path: Path) -> None:
     (tmp_path / "prog.py").write_text("")
     # A mount namespace of its own, in case the guard fails, but no PID namespace.
-    argv = ["unshare", "--mount", "--", "sh", "-c", sandbox._MOUNT_SCRIPT, "atgrpo-sandbox"]
+    argv = ["unshare", "--mount", "--", "sh", "-c", launch._MOUNT_SCRIPT, "atgrpo-sandbox"]
     done = subprocess.run(
         [*argv, str(tmp_path), "prog.py", "true"], capture_output=True, text=True, timeout=30
     )
@@ -784,7 +789,7 @@ def test_unknown_backend_is_a_setup_error(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_bwrap_without_root_is_a_setup_error() -> None:
     with pytest.raises(SandboxSetupError, match="needs root"):
-        sandbox._build_launcher.__wrapped__(False, Backend.BWRAP)
+        probe._build_launcher.__wrapped__(False, Backend.BWRAP)
 
 
 @needs_root
@@ -792,19 +797,19 @@ def test_bwrap_asked_for_but_missing_is_a_setup_error(monkeypatch: pytest.Monkey
     which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name: None if name == "bwrap" else which(name))
     with pytest.raises(SandboxSetupError, match="apt-get install bubblewrap"):
-        sandbox._build_launcher.__wrapped__(True, Backend.BWRAP)
+        probe._build_launcher.__wrapped__(True, Backend.BWRAP)
 
 
 def test_without_root_the_weaker_isolation_is_announced() -> None:
     with pytest.warns(SandboxWarning, match="network"):
-        launcher = sandbox._build_launcher.__wrapped__(False, Backend.UNSHARE)
+        launcher = probe._build_launcher.__wrapped__(False, Backend.UNSHARE)
     assert not launcher.namespaces and not launcher.drop_privileges and not launcher.private_fs
 
 
 def test_plain_launcher_runs_and_kills_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.warns(SandboxWarning):
-        plain = sandbox._build_launcher.__wrapped__(False, Backend.UNSHARE)  # a non-root user's
-    monkeypatch.setattr(sandbox, "_get_launcher", lambda: plain)
+        plain = probe._build_launcher.__wrapped__(False, Backend.UNSHARE)  # a non-root user's
+    monkeypatch.setattr(sandbox_run, "get_launcher", lambda: plain)
     assert run_python("print('hi')", FAST).stdout == "hi\n"
     code = "import subprocess, time\nsubprocess.Popen(['sleep', '30'])\ntime.sleep(30)\n"
     start = time.monotonic()
@@ -1005,7 +1010,7 @@ def test_the_filter_alone_denies_each_group_to_root(group: str) -> None:
     """The same calls as root, outside the sandbox, with only the loader: a root process has
     every capability, so the kernel would have answered them otherwise; EPERM is the filter's."""
     program = _syscall_program(HOSTILE_CALLS[group])
-    with sandbox._filter_pipe() as fd:
+    with launch.filter_pipe() as fd:
         argv = [*seccomp.loader_argv(sys.executable, fd), sys.executable, "-I", "-c", program]
         done = subprocess.run(
             argv, capture_output=True, text=True, timeout=60, pass_fds=(fd,), check=False
@@ -1077,7 +1082,7 @@ def test_a_filter_the_kernel_refuses_stops_the_launch(
 ) -> None:
     """No program runs without its filter: a BPF program the kernel rejects (one load, no
     return) is a launch failure, on both backends."""
-    sandbox._get_launcher()  # set up with the real filter first
+    probe.get_launcher()  # set up with the real filter first
     monkeypatch.setattr(seccomp, "program", lambda: bytes(8))
     r = run_python("print('ran')", FAST)
     assert r.status is ExitStatus.LAUNCH_FAILED, r
@@ -1105,7 +1110,7 @@ def test_without_libseccomp_the_sandbox_names_what_to_install(
     seccomp.program.cache_clear()
     try:
         with pytest.raises(SandboxSetupError, match=install) as raised:
-            sandbox._build_launcher.__wrapped__(IS_ROOT, Backend.UNSHARE)
+            probe._build_launcher.__wrapped__(IS_ROOT, Backend.UNSHARE)
         assert "\n" not in str(raised.value)
     finally:
         seccomp.program.cache_clear()

@@ -29,7 +29,8 @@ from atgrpo.envs import (
 )
 from atgrpo.envs.math import MathConfig, MathEnv
 from atgrpo.envs.tool import NO_CODE, PROGRAM_PATH
-from atgrpo.sandbox import Backend, SandboxLimits
+from atgrpo.sandbox import Backend, SandboxLimits, probe
+from atgrpo.sandbox import run as sandbox_run
 from atgrpo.splits import Split, split_of
 from conftest import FakeSandbox
 
@@ -62,8 +63,8 @@ def test_a_crash_is_a_status_with_a_deterministic_traceback() -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="the launcher's fallback is simulated from root")
 def test_the_fallback_mode_s_temporary_paths_read_as_the_sandbox_s() -> None:
     with pytest.warns(sandbox.SandboxWarning):
-        plain = sandbox._build_launcher.__wrapped__(False, Backend.UNSHARE)  # a non-root user's
-    with mock.patch.object(sandbox, "_get_launcher", lambda: plain):
+        plain = probe._build_launcher.__wrapped__(False, Backend.UNSHARE)  # a non-root user's
+    with mock.patch.object(sandbox_run, "get_launcher", lambda: plain):
         raw = sandbox.run_python("import os\nprint(__file__)\n1 / 0\n", FAST)
         runs = [run_tool_program(CRASH, FAST) for _ in range(2)]
     assert "atgrpo-sandbox-" in raw.stdout and "atgrpo-sandbox-" in raw.stderr  # what it hides
