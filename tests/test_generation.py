@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from atgrpo.algo.collate import collate, response_logits
 from atgrpo.algo.loss import token_logprobs
 from atgrpo.algo.records import Sample
-from atgrpo.algo.update import collate, response_logits
 from atgrpo.generation import Generation, HFGenerator, SamplingParams
 from atgrpo.generation.hf import distinct_rows
 from atgrpo.generation.sampler import process_logits

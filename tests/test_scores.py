@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from atgrpo.algo.collate import collate, response_logits
 from atgrpo.algo.loss import LossAggregation, entropy_from_logits, token_logprobs
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.scores import final_states, output_layer, token_scores
-from atgrpo.algo.update import UpdateSettings, collate, response_logits
+from atgrpo.algo.update import UpdateSettings
 from atgrpo.config import load_config
 from atgrpo.policies import build_policies, build_policy
 from conftest import REPO

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from atgrpo.algo.advantage import assign_advantages
+from atgrpo.algo.collate import collate, response_logits
 from atgrpo.algo.loss import LossAggregation, token_logprobs
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.records import Sample
 from atgrpo.algo.rollout import RolloutSettings, collect_rollout
-from atgrpo.algo.update import UpdateSettings, collate, ppo_update, response_logits
+from atgrpo.algo.update import UpdateSettings, ppo_update
 from atgrpo.config import Config, ConfigError, load_config
 from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.generation import Generation, SamplingParams, VLLMEngine, VLLMGenerator

@@ -48,6 +48,11 @@ from typing import Any
 import torch
 
 from atgrpo.algo import prefix
+from atgrpo.algo.collate import Batch as Batch
+from atgrpo.algo.collate import Responses as Responses
+from atgrpo.algo.collate import collate as collate
+from atgrpo.algo.collate import collate_responses as collate_responses
+from atgrpo.algo.collate import response_states as response_states
 from atgrpo.algo.loss import (
     LOGPROB_CHUNK_TOKENS,
     LossAggregation,
@@ -63,11 +68,12 @@ from atgrpo.algo.prefix import prompt_groups, run_prompts
 from atgrpo.algo.records import Sample
 from atgrpo.algo.scores import (
     Scores,
-    final_states,
     output_layer,
     token_scores,
 )
 from atgrpo.algo.truncation import Truncation
+from atgrpo.algo.update_stats import Accumulator, Gap, gap, summary
+from atgrpo.algo.update_stats import UpdateStats as UpdateStats
 from atgrpo.models import autocast_for
 
 AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
@@ -136,96 +142,6 @@ class UpdateSettings:
         return self.kl_coef > 0 or self.entropy_coef > 0
 
 
-@dataclass
-class Responses:
-    """The response side of a micro-batch: what the loss needs besides the logits."""
-
-    targets: torch.Tensor  # (B, R) response tokens, right-padded
-    mask: torch.Tensor  # (B, R) 1.0 on real response tokens
-    old_logprobs: torch.Tensor  # (B, R) the sampler's
-    advantages: torch.Tensor  # (B,)
-    temperatures: torch.Tensor  # (B,) float32 each row's sampling temperature; nan: the default
-
-    def to(self, device: torch.device) -> Responses:
-        return Responses(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
-
-
-def collate_responses(samples: list[Sample], pad_id: int) -> Responses:
-    """Right-pad responses to R, the longest (at least 1)."""
-    width_r = max(max(len(s.response_ids) for s in samples), 1)
-    n = len(samples)
-    targets = torch.full((n, width_r), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width_r))
-    old = torch.zeros((n, width_r))
-    for i, s in enumerate(samples):
-        r = len(s.response_ids)
-        targets[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        mask[i, :r] = 1.0
-        old[i, :r] = torch.tensor(s.logprobs)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    temperatures = torch.tensor(
-        [math.nan if s.temperature is None else s.temperature for s in samples],
-        dtype=torch.float32,
-    )
-    return Responses(targets, mask, old, advantages, temperatures)
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # (B, P + R)
-    attention_mask: torch.Tensor  # (B, P + R)
-    position_ids: torch.Tensor  # (B, P + R)
-    responses: Responses
-
-    def to(self, device: torch.device) -> Batch:
-        """The same batch on ``device`` (the model's: CPU or CUDA)."""
-        return Batch(
-            self.input_ids.to(device),
-            self.attention_mask.to(device),
-            self.position_ids.to(device),
-            self.responses.to(device),
-        )
-
-
-def collate(samples: list[Sample], pad_id: int) -> Batch:
-    """Left-pad prompts to P, right-pad responses to R (the rollout's layout)."""
-    responses = collate_responses(samples, pad_id)
-    width_p, width_r = max(len(s.prompt_ids) for s in samples), responses.targets.shape[1]
-    input_ids = torch.full((len(samples), width_p + width_r), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, width_p - p : width_p] = torch.tensor(s.prompt_ids)
-        input_ids[i, width_p : width_p + r] = responses.targets[i, :r]
-        attention_mask[i, width_p - p : width_p + r] = 1
-    # The same position ids `generate` derives from a left-padded attention mask.
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return Batch(input_ids, attention_mask, position_ids, responses)
-
-
-def response_logits(model: Any, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """Logits that predict each response token: (B, R, V), all at once. The update does not
-    build them (:func:`response_scores`, a chunk at a time); tests compare with them."""
-    states = response_states(model, batch, autocast_dtype)
-    with autocast_for(model, autocast_dtype):
-        return output_layer(model)(states).float()
-
-
-def response_states(model: Any, batch: Batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """The final hidden states that predict each response token: (B, R, H)."""
-    width_r = batch.responses.targets.shape[1]
-    device = next(model.parameters()).device
-    with final_states(model), autocast_for(model, autocast_dtype):
-        out = model(
-            input_ids=batch.input_ids.to(device),
-            attention_mask=batch.attention_mask.to(device),
-            position_ids=batch.position_ids.to(device),
-            logits_to_keep=width_r + 1,  # positions P-1 .. P+R-1; the last one predicts nothing
-            use_cache=False,
-        )
-    return out.logits[:, :width_r]
-
-
 def response_scores(
     model: Any,
     states: torch.Tensor,  # (B, R, H) from response_states or the prefix-shared passes
@@ -246,46 +162,6 @@ def response_scores(
             settings.logprob_chunk_tokens,
             entropy,
         )
-
-
-@dataclass
-class UpdateStats:
-    skipped: bool  # no sample carried signal, or the loss / gradient was not finite
-    reason: str
-    num_samples: int  # every sample of the batch with a response (the normaliser's count)
-    num_tokens: int
-    loss: float = 0.0
-    pg_loss: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
-    clip_frac: float = 0.0
-    ratio_mean: float = 1.0
-    approx_kl: float = 0.0
-    grad_norm: float = 0.0
-    # The sampler vs the trainer on the computed tokens: mean |log p_rollout - log p_trainer|,
-    # its max, and the k1 estimate of KL(rollout || trainer) (the tokens are the sampler's).
-    rollout_abs_diff: float = 0.0
-    rollout_max_abs_diff: float = 0.0
-    rollout_kl: float = 0.0
-    computed_samples: int = 0  # those with a forward and backward (skipping saves the rest)
-    # Over the optimizer steps of one rollout batch (one step: that step's own figures).
-    optimizer_steps: int = 1  # taken (a mini-batch without signal, or non-finite, takes none)
-    ratio_min: float = 1.0  # pi / pi_old over every computed token of every step
-    ratio_max: float = 1.0
-    clip_frac_last: float = 0.0  # the last step's: how far the policy moved from pi_old
-    approx_kl_last: float = 0.0
-    steps: tuple[UpdateStats, ...] = ()  # each optimizer step's own, when there were several
-
-    def metrics(self, prefix: str = "loss/") -> dict[str, float]:
-        keys: tuple[str, ...] = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean")
-        keys += ("approx_kl", "ratio_min", "ratio_max", "clip_frac_last", "approx_kl_last")
-        keys += ("grad_norm", "rollout_abs_diff", "rollout_max_abs_diff", "rollout_kl")
-        out = {prefix + k: float(getattr(self, k)) for k in keys}
-        out[prefix + "skipped"] = float(self.skipped)
-        out[prefix + "num_samples"] = float(self.num_samples)
-        out[prefix + "computed_samples"] = float(self.computed_samples)
-        out[prefix + "optimizer_steps"] = float(self.optimizer_steps if not self.skipped else 0)
-        return out
 
 
 @torch.no_grad()
@@ -313,7 +189,7 @@ def ppo_update(
     policy: Policy,
     samples: list[Sample] | Shard,
     settings: UpdateSettings,
-    group: DataParallel | None = None,
+    parallel: DataParallel | None = None,
 ) -> UpdateStats:
     """One training step of ``policy`` on ``samples`` (all of them produced by it).
 
@@ -324,13 +200,13 @@ def ppo_update(
     the training step, whatever the number of optimizer steps), also when the optimizer does
     not step, so it follows ``train.steps``. When no sample carries signal (every advantage 0
     and no KL or entropy term) the optimizer does not step, with or without skipping, so the
-    policy stays bit-identical. ``group`` (data-parallel ranks only): ``samples`` is this rank's
+    policy stays bit-identical. ``parallel`` (data-parallel ranks only): ``samples`` is this rank's
     :class:`Shard` of the driver's plan (:func:`shard_update`; a plain list when the update
     takes one mini-batch); counts, gradients and statistics are summed over the ranks before
     each step.
     """
     try:
-        return _update(policy, _parts(samples, settings, group), settings, group)
+        return _update(policy, _parts(samples, settings, parallel), settings, parallel)
     finally:
         _advance_schedule(policy)
 
@@ -342,12 +218,12 @@ def shard_update(samples: list[Sample], settings: UpdateSettings, ranks: int) ->
 
 
 def _parts(
-    samples: list[Sample] | Shard, settings: UpdateSettings, group: DataParallel | None
+    samples: list[Sample] | Shard, settings: UpdateSettings, parallel: DataParallel | None
 ) -> list[list[Sample]]:
     """This process's part of each mini-batch, the samples that train (:func:`_trained`)."""
     if isinstance(samples, Shard):
         return [_trained(part, settings) for part in samples.parts]
-    if group is not None and group.size > 1 and settings.ppo_mini_batch_size > 0:
+    if parallel is not None and parallel.size > 1 and settings.ppo_mini_batch_size > 0:
         raise ValueError(
             "a data-parallel rank's mini-batches are planned on the driver for the whole batch: "
             "pass its Shard from shard_update(samples, settings, ranks)"
@@ -362,13 +238,16 @@ def _trained(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
 
 
 def _update(
-    policy: Policy, parts: list[list[Sample]], settings: UpdateSettings, group: DataParallel | None
+    policy: Policy,
+    parts: list[list[Sample]],
+    settings: UpdateSettings,
+    parallel: DataParallel | None,
 ) -> UpdateStats:
     samples = [s for part in parts for s in part]
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
         raise ValueError(f"policy {policy.policy_id!r} got samples of policies {sorted(foreign)}")
-    counts = _counts(samples, settings, group)
+    counts = _counts(samples, settings, parallel)
     if not counts.signal:
         return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
     policy.activate()
@@ -379,19 +258,19 @@ def _update(
         # under old_logprobs: rollout, where it is the sampler gap's and TIS's trainer side);
         # the first mini-batch's comes from its own forward (ratio exactly 1 there).
         later = [s for part in parts[1:] for s in _computed(part, settings)]
-        _record_old_logprobs(policy, later, settings, olds, group)
+        _record_old_logprobs(policy, later, settings, olds, parallel)
     steps: list[UpdateStats] = []
     for _ in range(settings.ppo_epochs):
         for part in parts:
             # One mini-batch is the whole batch: its counts (and their all-reduce) are known.
             known = counts if len(parts) == 1 else None
-            steps.append(_optimizer_step(policy, part, settings, group, olds, known))
+            steps.append(_optimizer_step(policy, part, settings, parallel, olds, known))
             if len(steps) == 1 and olds.keep:
                 # The first step stopped at a non-finite micro-batch, or had no signal: the
                 # weights have not moved, so the rest of its mini-batch's pi_old is taken now.
                 missing = olds.missing(_computed(parts[0], settings))
-                _record_old_logprobs(policy, missing, settings, olds, group)
-    return steps[0] if len(steps) == 1 else _summary(steps, counts, len(parts))
+                _record_old_logprobs(policy, missing, settings, olds, parallel)
+    return steps[0] if len(steps) == 1 else summary(steps, counts.seqs, counts.tokens, len(parts))
 
 
 @dataclass(frozen=True)
@@ -403,12 +282,14 @@ class _Counts:
     computed: int  # samples with a forward and backward
 
 
-def _counts(samples: list[Sample], settings: UpdateSettings, group: DataParallel | None) -> _Counts:
+def _counts(
+    samples: list[Sample], settings: UpdateSettings, parallel: DataParallel | None
+) -> _Counts:
     """The whole (mini-)batch's counts over the ranks; every sample counts, computed or not
     (invariant 10)."""
     agents: tuple[str, ...] = ()
     if _per_agent(settings):  # ranks lay the counts out alike only by settings.agents
-        if group is not None and not settings.agents:
+        if parallel is not None and not settings.agents:
             raise ValueError("agent_token_mean with data parallelism needs settings.agents")
         agents = settings.agents or tuple(sorted({s.agent_id for s in samples}))
     counts = torch.tensor(
@@ -420,8 +301,8 @@ def _counts(samples: list[Sample], settings: UpdateSettings, group: DataParallel
             *(sum(len(s.response_ids) for s in samples if s.agent_id == a) for a in agents),
         ]
     )
-    if group is not None:  # settings.agents: the same layout on every rank
-        group.all_reduce(counts)
+    if parallel is not None:  # settings.agents: the same layout on every rank
+        parallel.all_reduce(counts)
     tokens, seqs, signal, computed = (int(c) for c in counts[:4])
     per_agent = dict(zip(agents, (int(c) for c in counts[4:]), strict=True))
     return _Counts(per_agent, tokens, seqs, bool(signal), computed)
@@ -431,25 +312,25 @@ def _optimizer_step(
     policy: Policy,
     samples: list[Sample],
     settings: UpdateSettings,
-    group: DataParallel | None,
+    parallel: DataParallel | None,
     olds: TrainerLogprobs,
     counts: _Counts | None = None,
 ) -> UpdateStats:
     """One optimizer step on one mini-batch, normalised by the mini-batch's own counts."""
-    counts = counts or _counts(samples, settings, group)
+    counts = counts or _counts(samples, settings, parallel)
     if not counts.signal:
         return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
     computed = _computed(samples, settings)
     policy.optimizer.zero_grad(set_to_none=True)
-    acc = _Accumulator()
-    norm = _Normalisers(counts.tokens, counts.seqs, counts.agent_tokens)
-    if settings.share_prefix and not (group is not None and group.sharded):
+    acc = Accumulator()
+    norm = _Divisors(counts.tokens, counts.seqs, counts.agent_tokens)
+    if settings.share_prefix and not (parallel is not None and parallel.sharded):
         _backward_shared(policy, computed, settings, norm, acc, olds)
     else:
-        _backward_unshared(policy, computed, settings, norm, acc, olds, group)
-    if group is not None:  # every rank reaches here, so every rank decides alike
-        summed = [] if group.sharded else policy.params  # FSDP2 reduce-scattered them
-        acc.sum_over_ranks(group, summed)
+        _backward_unshared(policy, computed, settings, norm, acc, olds, parallel)
+    if parallel is not None:  # every rank reaches here, so every rank decides alike
+        summed = [] if parallel.sharded else policy.params  # FSDP2 reduce-scattered them
+        acc.sum_over_ranks(parallel, summed)
     return _step(policy, settings, acc, counts)
 
 
@@ -489,17 +370,7 @@ def _micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
 
 
 @dataclass(frozen=True)
-class _Gap:
-    """Sums over one micro-batch's tokens of the sampler-vs-trainer log-prob gap."""
-
-    tokens: float
-    abs_diff: float  # sum |rollout - trainer|
-    max_abs_diff: float
-    kl: float  # sum (rollout - trainer)
-
-
-@dataclass(frozen=True)
-class _Normalisers:
+class _Divisors:
     num_tokens: int  # every response token of the batch (all ranks)
     num_seqs: int  # every response of the batch (all ranks)
     agent_tokens: dict[str, int]  # per agent (all ranks)
@@ -514,19 +385,28 @@ def _backward_unshared(
     policy: Policy,
     computed: list[Sample],
     settings: UpdateSettings,
-    norm: _Normalisers,
-    acc: _Accumulator,
+    norm: _Divisors,
+    acc: Accumulator,
     olds: TrainerLogprobs,
-    group: DataParallel | None = None,
+    parallel: DataParallel | None = None,
 ) -> None:
     """Micro-batches of whole sequences, each prompt left-padded and recomputed. The ranks of a
     sharded group run the group's largest number of micro-batches (module docstring)."""
-    in_step = group is not None and group.sharded
-    for chunk, batch, real in _unshared_passes(policy, computed, settings, group):
+    in_step = parallel is not None and parallel.sharded
+    for chunk, batch, real in _unshared_passes(policy, computed, settings, parallel):
         states = response_states(policy.model, batch, policy.autocast_dtype)  # (B, R, H)
         old = olds.get(chunk, batch.input_ids.device) if real else None
         rows = norm.rows(chunk) if real and _per_agent(settings) else None
-        result = _loss(policy, states, batch.responses, settings, norm, _given(batch), old, rows)
+        result = _loss(
+            policy,
+            states,
+            batch.responses,
+            settings,
+            norm,
+            full_rows=_rows_of(batch),
+            old_trainer=old,
+            rows=rows,
+        )
         if not real:
             (result.out.loss * 0.0).backward()  # the collectives of a pass, a zero gradient
             continue
@@ -541,17 +421,17 @@ def _record_old_logprobs(
     samples: list[Sample],
     settings: UpdateSettings,
     olds: TrainerLogprobs,
-    group: DataParallel | None,
+    parallel: DataParallel | None,
 ) -> None:
     """pi_old of ``samples``: one forward in micro-batches before any step, each group's prompt
     once where the update shares prefixes (as its own passes do). The ranks of a sharded group
     run the same number of forwards (FSDP2 gathers weights in each)."""
     model, dtype = policy.model, policy.autocast_dtype
-    if settings.share_prefix and not (group is not None and group.sharded):
+    if settings.share_prefix and not (parallel is not None and parallel.sharded):
         for _, chunk, r, states, _ in _shared_passes(policy, samples, settings):
             olds.record(chunk, response_scores(model, states, r, settings, dtype).logprobs)
         return
-    for chunk, batch, real in _unshared_passes(policy, samples, settings, group):
+    for chunk, batch, real in _unshared_passes(policy, samples, settings, parallel):
         if real:
             olds.record(chunk, _logprobs(model, batch, settings, dtype))
         else:  # a placeholder's forward: the sharded ranks gather weights in step
@@ -559,7 +439,7 @@ def _record_old_logprobs(
 
 
 def _unshared_passes(
-    policy: Policy, samples: list[Sample], settings: UpdateSettings, group: DataParallel | None
+    policy: Policy, samples: list[Sample], settings: UpdateSettings, parallel: DataParallel | None
 ) -> Iterator[tuple[list[Sample], Batch, bool]]:
     """Micro-batches of whole sequences, collated on the model's device: (chunk, batch, real).
     The ranks of a sharded group run the group's largest number of passes (FSDP2 gathers
@@ -567,8 +447,8 @@ def _unshared_passes(
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
     chunks = _micro_batches(samples, settings.micro_batch_size)
-    sharded = group is not None and group.sharded
-    passes = group.max(len(chunks)) if group is not None and sharded else len(chunks)
+    sharded = parallel is not None and parallel.sharded
+    passes = parallel.max(len(chunks)) if parallel is not None and sharded else len(chunks)
     for i in range(passes):
         real = i < len(chunks)
         chunk = chunks[i] if real else [_placeholder(policy)]
@@ -578,15 +458,29 @@ def _unshared_passes(
 def _placeholder(policy: Policy) -> Sample:
     """A one-token sample of advantage 0: a pass that moves nothing."""
     pad = policy.tokenizer.pad_token_id
-    return Sample(0, 0, "", 0, 0, policy.policy_id, [pad], [pad], [0.0], 0.0, 0.0, 0.0, False)
+    return Sample(
+        task_id=0,
+        seed=0,
+        agent_id="",
+        turn_idx=0,
+        branch_idx=0,
+        policy_id=policy.policy_id,
+        prompt_ids=[pad],
+        response_ids=[pad],
+        logprobs=[0.0],
+        team_reward=0.0,
+        local_reward=0.0,
+        reward=0.0,
+        valid=False,
+    )
 
 
 def _backward_shared(
     policy: Policy,
     computed: list[Sample],
     settings: UpdateSettings,
-    norm: _Normalisers,
-    acc: _Accumulator,
+    norm: _Divisors,
+    acc: Accumulator,
     olds: TrainerLogprobs,
 ) -> None:
     """Up to a micro-batch of distinct prompts in one forward, then their responses in
@@ -599,7 +493,9 @@ def _backward_shared(
         full_rows = functools.partial(_full_rows, chunk, pad_id, device)
         old = olds.get(chunk, device)
         weights = norm.rows(chunk) if _per_agent(settings) else None
-        result = _loss(policy, states, r, settings, norm, full_rows, old, weights)
+        result = _loss(
+            policy, states, r, settings, norm, full_rows=full_rows, old_trainer=old, rows=weights
+        )
         olds.record(chunk, result.trainer)
         if not _backward(result, acc):
             return
@@ -622,7 +518,7 @@ def _shared_passes(
         prompts = run_prompts(
             policy.model, [g[0].prompt_ids for g in batch], pad_id, policy.autocast_dtype
         )
-        members = [(row, s) for row, group in enumerate(batch) for s in group]
+        members = [(row, s) for row, same in enumerate(batch) for s in same]
         for start in range(0, len(members), size):
             rows = torch.tensor([row for row, _ in members[start : start + size]], device=device)
             chunk = [s for _, s in members[start : start + size]]
@@ -633,7 +529,7 @@ def _shared_passes(
             yield prompts, chunk, r, states, start + size >= len(members)
 
 
-def _backward(result: _MicroLoss, acc: _Accumulator, always: bool = False) -> bool:
+def _backward(result: _MicroLoss, acc: Accumulator, always: bool = False) -> bool:
     """Back-propagate one micro-batch's loss; False when it is not finite, and then nothing
     done unless ``always`` (a sharded rank: the other ranks wait for its collectives)."""
     out = result.out
@@ -651,7 +547,7 @@ def _per_agent(settings: UpdateSettings) -> bool:
     return settings.aggregation is LossAggregation.AGENT_TOKEN_MEAN
 
 
-def _given(batch: Batch) -> Callable[[], Batch]:
+def _rows_of(batch: Batch) -> Callable[[], Batch]:
     return lambda: batch
 
 
@@ -662,7 +558,7 @@ def _full_rows(chunk: list[Sample], pad_id: int, device: torch.device) -> Batch:
 @dataclass(frozen=True)
 class _MicroLoss:
     out: LossOutput
-    gap: _Gap
+    gap: Gap
     trainer: torch.Tensor  # (B, R) pi_old's log-probs as this micro-batch used them, detached
 
 
@@ -671,7 +567,8 @@ def _loss(
     states: torch.Tensor,  # (B, R, H) final hidden states predicting each response token
     r: Responses,
     settings: UpdateSettings,
-    norm: _Normalisers,
+    norm: _Divisors,
+    *,
     full_rows: Callable[[], Batch],  # the micro-batch's prompt + response rows, on demand
     old_trainer: torch.Tensor | None = None,  # (B, R) pi_old from before the first step
     rows: torch.Tensor | None = None,  # (B,) agent_token_mean's divisors
@@ -712,89 +609,10 @@ def _loss(
         norm_tokens=settings.norm_tokens or None,
         row_norms=None if rows is None else rows.to(states.device),
     )
-    return _MicroLoss(out, _gap(trainer, r.old_logprobs, r.mask), trainer)
+    return _MicroLoss(out, gap(trainer, r.old_logprobs, r.mask), trainer)
 
 
-def _gap(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Gap:
-    m = mask.bool()  # (B, R)
-    diff = torch.where(m, rollout - trainer, torch.zeros_like(trainer))  # (B, R)
-    return _Gap(
-        tokens=float(m.sum()),
-        abs_diff=float(diff.abs().sum()),
-        max_abs_diff=float(diff.abs().max()) if diff.numel() else 0.0,
-        kl=float(diff.sum()),
-    )
-
-
-_SUMMED = ("loss", "pg_loss", "kl", "entropy")  # already shares of the whole batch
-_TOKEN_MEANS = ("clip_frac", "ratio_mean", "approx_kl")  # means over a micro-batch's tokens
-
-
-@dataclass
-class _Accumulator:
-    """Loss terms and statistics over the micro-batches (and ranks) of one update."""
-
-    finite: bool = True
-    sums: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(_SUMMED, 0.0))
-    token_sums: dict[str, float] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys((*_TOKEN_MEANS, "abs_diff", "kl_gap"), 0.0)
-    )
-    tokens: float = 0.0  # computed tokens
-    max_abs_diff: float = 0.0
-    ratio_min: float = math.inf
-    ratio_max: float = -math.inf
-
-    def add(self, out: LossOutput, gap: _Gap) -> None:
-        if gap.tokens:
-            self.ratio_min = min(self.ratio_min, float(out.ratio_min))
-            self.ratio_max = max(self.ratio_max, float(out.ratio_max))
-        for k in _SUMMED:
-            self.sums[k] += float(getattr(out, k).detach())
-        for k in _TOKEN_MEANS:  # back from a micro-batch mean to a sum over its tokens
-            self.token_sums[k] += float(getattr(out, k)) * gap.tokens
-        self.token_sums["abs_diff"] += gap.abs_diff
-        self.token_sums["kl_gap"] += gap.kl
-        self.tokens += gap.tokens
-        self.max_abs_diff = max(self.max_abs_diff, gap.max_abs_diff)
-
-    def sum_over_ranks(self, group: DataParallel, params: list[torch.nn.Parameter]) -> None:
-        """Sum gradients and statistics over the ranks; finite only if every rank was.
-
-        A rank with no micro-batch contributes zero gradients. The max gap is summed too: an
-        upper bound, exact on one rank; the ratio's extremes are the ranks' extremes.
-        """
-        self.ratio_min = min(group.gather(self.ratio_min))
-        self.ratio_max = max(group.gather(self.ratio_max))
-        all_reduce = group.all_reduce
-        keys = [*self.sums, *self.token_sums]
-        values = [*self.sums.values(), *self.token_sums.values()]
-        extra = [0.0 if self.finite else 1.0, self.tokens, self.max_abs_diff]
-        stats = torch.tensor(extra + values, dtype=torch.float64)
-        all_reduce(stats)
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            all_reduce(param.grad)
-        self.finite, self.tokens, self.max_abs_diff = bool(stats[0] == 0), *stats[1:3].tolist()
-        for k, v in zip(keys, stats[3:].tolist(), strict=True):
-            (self.sums if k in self.sums else self.token_sums)[k] = v
-
-    def stats(self) -> dict[str, float]:
-        n = max(self.tokens, 1.0)
-        means = {k: v / n for k, v in self.token_sums.items()}
-        seen = self.ratio_min <= self.ratio_max  # some token was computed
-        return {
-            **self.sums,
-            **{k: means[k] for k in _TOKEN_MEANS},
-            "rollout_abs_diff": means["abs_diff"],
-            "rollout_max_abs_diff": self.max_abs_diff,
-            "rollout_kl": means["kl_gap"],
-            "ratio_min": self.ratio_min if seen else 1.0,
-            "ratio_max": self.ratio_max if seen else 1.0,
-        }
-
-
-def _step(policy: Policy, settings: UpdateSettings, acc: _Accumulator, n: _Counts) -> UpdateStats:
+def _step(policy: Policy, settings: UpdateSettings, acc: Accumulator, n: _Counts) -> UpdateStats:
     """The optimizer step, guarded: a non-finite loss or gradient skips it and is reported."""
     if not acc.finite:
         policy.optimizer.zero_grad(set_to_none=True)
@@ -818,38 +636,6 @@ def _step(policy: Policy, settings: UpdateSettings, acc: _Accumulator, n: _Count
         optimizer_steps=1,
         steps=(),
         **stats,
-    )
-
-
-_MEANS: tuple[str, ...] = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean")
-_MEANS += ("approx_kl", "grad_norm", "rollout_abs_diff", "rollout_kl")
-
-
-def _summary(steps: list[UpdateStats], batch: _Counts, per_epoch: int) -> UpdateStats:
-    """One training step's figures from its optimizer steps: means over the steps taken
-    (each a mini-batch's), the ratio's extremes, the last step's clip fraction and KL to
-    pi_old, the samples computed in the first epoch."""
-    taken = [s for s in steps if not s.skipped]
-    if not taken:
-        first = steps[0]
-        return dataclasses.replace(
-            first, num_samples=batch.seqs, num_tokens=batch.tokens, steps=tuple(steps)
-        )
-    means = {k: sum(getattr(s, k) for s in taken) / len(taken) for k in _MEANS}
-    return UpdateStats(
-        False,
-        "",
-        batch.seqs,
-        batch.tokens,
-        **means,
-        rollout_max_abs_diff=max(s.rollout_max_abs_diff for s in taken),
-        computed_samples=sum(s.computed_samples for s in steps[:per_epoch]),
-        optimizer_steps=len(taken),
-        ratio_min=min(s.ratio_min for s in taken),
-        ratio_max=max(s.ratio_max for s in taken),
-        clip_frac_last=taken[-1].clip_frac,
-        approx_kl_last=taken[-1].approx_kl,
-        steps=tuple(steps),
     )
 
 

@@ -10,7 +10,7 @@ import csv
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -18,8 +18,15 @@ from atgrpo.experiments.intervals import Interval, difference_interval, success_
 from atgrpo.training.evaluation import EvalReport
 from atgrpo.training.metrics import read_metrics
 
-if TYPE_CHECKING:
-    from atgrpo.experiments.compare import Difference
+
+class Difference(Protocol):
+    """A paired difference to report: a row against another (the comparison file's)."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def versus(self) -> str: ...
 
 
 @dataclass
