@@ -6,22 +6,59 @@ layers of the package::
     from atgrpo import Config, load_config, train, evaluate, check_env, register_env
 """
 
-from atgrpo.algo.advantage import AdvantageScale, Grouping, assign_advantages, group_advantages
-from atgrpo.algo.loss import LossAggregation, ppo_clip_loss
-from atgrpo.algo.records import EpisodeResult, Rollout, Sample
-from atgrpo.api import evaluate, load_checkpoint, train
-from atgrpo.config import Config, ConfigError, dump_config, load_config
-from atgrpo.envs import (
-    MultiAgentEnv,
-    StepOutcome,
-    TurnBasedEnv,
-    Workflow,
-    check_env,
-    make_env,
-    register_env,
-)
-from atgrpo.training.evaluation import EvalReport
-from atgrpo.training.loop import TrainCallback, TrainResult
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Each public name and the module it lives in, imported on first use: `import atgrpo` (and so
+# `atgrpo --help`, `import atgrpo.sandbox`, `import atgrpo.envs`) loads no torch.
+_HOMES = {
+    "AdvantageScale": "atgrpo.algo.advantage",
+    "Grouping": "atgrpo.algo.advantage",
+    "assign_advantages": "atgrpo.algo.advantage",
+    "group_advantages": "atgrpo.algo.advantage",
+    "LossAggregation": "atgrpo.algo.loss",
+    "ppo_clip_loss": "atgrpo.algo.loss",
+    "EpisodeResult": "atgrpo.algo.records",
+    "Rollout": "atgrpo.algo.records",
+    "Sample": "atgrpo.algo.records",
+    "evaluate": "atgrpo.api",
+    "load_checkpoint": "atgrpo.api",
+    "train": "atgrpo.api",
+    "Config": "atgrpo.config",
+    "ConfigError": "atgrpo.config",
+    "dump_config": "atgrpo.config",
+    "load_config": "atgrpo.config",
+    "MultiAgentEnv": "atgrpo.envs",
+    "StepOutcome": "atgrpo.envs",
+    "TurnBasedEnv": "atgrpo.envs",
+    "Workflow": "atgrpo.envs",
+    "check_env": "atgrpo.envs",
+    "make_env": "atgrpo.envs",
+    "register_env": "atgrpo.envs",
+    "EvalReport": "atgrpo.training.evaluation",
+    "TrainCallback": "atgrpo.training.loop",
+    "TrainResult": "atgrpo.training.loop",
+}
+
+if TYPE_CHECKING:
+    from atgrpo.algo.advantage import AdvantageScale, Grouping, assign_advantages, group_advantages
+    from atgrpo.algo.loss import LossAggregation, ppo_clip_loss
+    from atgrpo.algo.records import EpisodeResult, Rollout, Sample
+    from atgrpo.api import evaluate, load_checkpoint, train
+    from atgrpo.config import Config, ConfigError, dump_config, load_config
+    from atgrpo.envs import (
+        MultiAgentEnv,
+        StepOutcome,
+        TurnBasedEnv,
+        Workflow,
+        check_env,
+        make_env,
+        register_env,
+    )
+    from atgrpo.training.evaluation import EvalReport
+    from atgrpo.training.loop import TrainCallback, TrainResult
 
 __all__ = [
     "AdvantageScale",
@@ -51,5 +88,19 @@ __all__ = [
     "register_env",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'atgrpo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
+
 
 __version__ = "0.1.0"

@@ -25,9 +25,17 @@ from pydantic import (
     model_validator,
 )
 
-from atgrpo.algo.advantage import AdvantageScale, Grouping, StdKind, StdScope
-from atgrpo.algo.filtering import GroupFilter
-from atgrpo.algo.loss import LOGPROB_CHUNK_TOKENS, LossAggregation, OldLogprobs, RatioLevel
+from atgrpo.algo.options import (
+    LOGPROB_CHUNK_TOKENS,
+    AdvantageScale,
+    GroupFilter,
+    Grouping,
+    LossAggregation,
+    OldLogprobs,
+    RatioLevel,
+    StdKind,
+    StdScope,
+)
 from atgrpo.algo.truncation import Truncation
 from atgrpo.envs import BUILTIN_ENVS, EnvConfig, EnvSpecError, PlanPathConfig
 from atgrpo.envs.registry import PLUGIN_TAG, env_tag

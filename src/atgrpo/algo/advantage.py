@@ -15,45 +15,17 @@ Everything here is a pure function; :func:`assign_advantages` only writes ``samp
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
+from atgrpo.algo.options import AdvantageScale as AdvantageScale
+from atgrpo.algo.options import Grouping as Grouping
+from atgrpo.algo.options import StdKind as StdKind
+from atgrpo.algo.options import StdScope as StdScope
 from atgrpo.algo.records import Sample
-
-
-class Grouping(enum.StrEnum):
-    """Which samples are compared with each other when computing advantages."""
-
-    AGENT_TURN = "agent_turn"  # AT-GRPO: key (task, agent, turn)
-    AGENT = "agent"  # key (task, agent): all turns of one role pooled
-    TURN = "turn"  # key (task, turn): all roles of one turn pooled
-    # Plain GRPO baseline: K independent trajectories per task, one return (the sum of the
-    # mixed rewards) each, normalised across the K trajectories of the task.
-    TRAJECTORY = "trajectory"
-    NONE = "none"  # the whole batch is one group
-
-
-class AdvantageScale(enum.StrEnum):
-    STD = "std"  # (r - mean) / (std + eps); the std is a StdKind
-    MEAN = "mean"  # r - mean: no std division (avoids up-weighting near-tied groups)
-
-
-class StdKind(enum.StrEnum):
-    UNBIASED = "unbiased"  # divides by n - 1: torch.std's default, the reference's and verl's
-    POPULATION = "population"  # divides by n
-
-
-class StdScope(enum.StrEnum):
-    """Over which rewards the std of ``AdvantageScale.STD`` is taken (the mean is the group's)."""
-
-    GROUP = "group"  # the group's own rewards: GRPO, the reference
-    # The agent's rewards over the whole step's batch (every task and turn): "group mean, batch
-    # std" (Liu et al., 2025, "Tricks or Traps"); a near-tied group is not blown up.
-    AGENT = "agent"
 
 
 def mix_reward(

@@ -26,7 +26,6 @@ Everything here is a pure function of the samples; nothing reads a config.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -34,16 +33,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from atgrpo.algo.advantage import AdvantageSettings, GroupKey, StdKind, group_rewards
+from atgrpo.algo.options import GroupFilter as GroupFilter
 from atgrpo.algo.records import Sample
-
-
-class GroupFilter(enum.StrEnum):
-    """Which groups the update drops (the module docstring has the exact rules)."""
-
-    NONE = "none"  # train on every group
-    ZERO_VARIANCE = "zero_variance"  # rewards all equal: no signal (the reference's `dapo`)
-    LOWEST_MEAN = "lowest_mean"  # the ratio's share with the lowest mean (the reference's `mean`)
-    LOWEST_VARIANCE = "lowest_variance"  # the ratio's share with the lowest reward std
 
 
 @dataclass(frozen=True)

@@ -10,46 +10,20 @@ V vocabulary; ``mask`` marks the real response tokens.
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from atgrpo.algo.options import LOGPROB_CHUNK_TOKENS as LOGPROB_CHUNK_TOKENS
+from atgrpo.algo.options import LossAggregation as LossAggregation
+from atgrpo.algo.options import OldLogprobs as OldLogprobs
+from atgrpo.algo.options import RatioLevel as RatioLevel
+
 # exp() of a log-ratio above this overflows float32 gradients into inf * 0 = nan; verl clamps
 # the same way. A token this far off-policy is clipped anyway (for A > 0) or dominates (A < 0).
 _MAX_LOG_RATIO = 20.0
-
-
-class LossAggregation(enum.StrEnum):
-    # Sum over all response tokens of the batch / number of tokens: every token weighs the same,
-    # so long responses weigh more (the paper's "token-level averaging").
-    TOKEN_MEAN = "token_mean"
-    # Mean over the tokens of each sequence, then over sequences: every response weighs the same.
-    SEQ_MEAN = "seq_mean"
-    # Sum over all tokens / (sequences x a constant token budget): no length normalisation at
-    # all, so no length bias in either direction (Dr. GRPO; verl's seq-mean-token-sum-norm).
-    CONSTANT = "constant"
-    # Each agent's tokens weigh as one share: per agent, its tokens' sum / its token count, then
-    # the mean over the agents present. For a policy shared by agents whose answers differ in
-    # length (AT-GRPO's L1), so the agent with long answers does not dominate the gradient.
-    AGENT_TOKEN_MEAN = "agent_token_mean"
-
-
-class RatioLevel(enum.StrEnum):
-    TOKEN = "token"  # PPO: a ratio per token
-    SEQUENCE = "sequence"  # GSPO: one per response, exp of its tokens' mean log-ratio
-
-
-class OldLogprobs(enum.StrEnum):
-    """Where the "old" log-probs of the PPO ratio come from (docs/algorithm.md, "Loss")."""
-
-    # The update's own forward, detached: the ratio is exactly 1 at the (single) update, whatever
-    # the numerics of the sampler; the sampler-vs-trainer gap is measured and, with tis_cap,
-    # corrected by truncated importance weights.
-    TRAINER = "trainer"
-    ROLLOUT = "rollout"  # the log-probs the sampler recorded
 
 
 def truncated_is_weights(
@@ -86,11 +60,6 @@ class LossOutput(NamedTuple):
     ratio_min: torch.Tensor = torch.tensor(1.0)  # () smallest pi / pi_old over masked tokens
     ratio_max: torch.Tensor = torch.tensor(1.0)  # () largest
 
-
-# Rows x positions of logits per chunk (train.logprob_chunk_tokens): 1,024 x V fp32 is 0.2 GB
-# at SmolLM2's 49,152 and 0.6 GB at Qwen3's 151,936; a CPU micro-batch of short answers is one
-# chunk, run as before (no recomputation).
-LOGPROB_CHUNK_TOKENS = 1024
 
 # A temperature for every row alike, or one per row as a (B, 1, 1) float32 tensor (agents
 # sampled at their own temperatures share a micro-batch).
