@@ -83,7 +83,7 @@ def _failing(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
     def fail(*_: Any, **__: Any) -> Path:
         raise exc
 
-    monkeypatch.setattr("atgrpo.cli.prepare_tiny_model", fail)
+    monkeypatch.setattr("atgrpo.models.prepare_tiny_model", fail)
 
 
 @pytest.mark.parametrize(

@@ -44,3 +44,14 @@ def test_every_public_name_resolves_and_is_listed_once() -> None:
         assert getattr(atgrpo, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         atgrpo.nope  # noqa: B018
+
+
+def test_the_cli_starts_light_and_names_its_expected_errors() -> None:
+    from atgrpo import cli
+
+    help_ = "from atgrpo.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    assert _loaded(help_) == []
+    assert _loaded("from atgrpo.cli import main; main(['config', 'configs/tiny.yaml'])") == []
+    for module, name in cli.EXPECTED_ERRORS.items():
+        cls = getattr(__import__(module, fromlist=[name]), name)
+        assert issubclass(cls, Exception), (module, name)

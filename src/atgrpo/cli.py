@@ -40,30 +40,37 @@ if TYPE_CHECKING:
     from atgrpo.training.evaluation import EvalReport
 
 from atgrpo import __version__
-from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import ConfigError, RolloutEngine, dump_config, load_config
-from atgrpo.data.base import DatasetError
 from atgrpo.distributed.cluster import WorkerLostError
 from atgrpo.envs.base import EnvError
 from atgrpo.experiments.intervals import report_gain, report_interval
-from atgrpo.experiments.runs import RunFailedError
-from atgrpo.models import ModelError, load_model, prepare_default_model, prepare_tiny_model
-from atgrpo.prompts import PromptTooLongError
-from atgrpo.sandbox import SandboxSetupError
 
 console = Console(highlight=False, soft_wrap=True)
 
-# Failures whose message is ours: one line that already names the problem and the fix.
-EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
-    ConfigError,
-    ModelError,
-    DatasetError,
-    SandboxSetupError,
-    CheckpointError,
-    RunFailedError,
-    PromptTooLongError,
-    WorkerLostError,
-)
+# Failures whose message is ours: one line that already names the problem and the fix. Named by
+# module, so the CLI imports none of them (`atgrpo --help` loads no torch): an exception of one
+# of these types exists only where its module was imported.
+EXPECTED_ERRORS = {
+    "atgrpo.config": "ConfigError",
+    "atgrpo.models": "ModelError",
+    "atgrpo.data.base": "DatasetError",
+    "atgrpo.sandbox.records": "SandboxSetupError",
+    "atgrpo.checkpoint.steps": "CheckpointError",
+    "atgrpo.experiments.runs": "RunFailedError",
+    "atgrpo.prompts": "PromptTooLongError",
+    "atgrpo.distributed.cluster": "WorkerLostError",
+}
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """The :data:`EXPECTED_ERRORS` types of the modules this process has imported."""
+    return tuple(
+        getattr(sys.modules[module], name)
+        for module, name in EXPECTED_ERRORS.items()
+        if module in sys.modules
+    )
+
+
 # Libraries whose warnings --verbose alone shows (ours always show, as one line).
 _CHATTY = r"(transformers|torch|peft|huggingface_hub|accelerate|safetensors|tokenizers)(\.|$)"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -77,18 +84,18 @@ def _quiet_libraries(verbose: bool = False) -> None:
     warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
     if verbose:
         return  # the libraries' own warnings, logs and progress bars
-    # transformers and tokenizers are chatty on stderr; keep the terminal for our lines.
+    # transformers and tokenizers are chatty on stderr; keep the terminal for our lines. Set
+    # through the environment they read when first imported, so the CLI imports none of them.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars too
     os.environ.setdefault("TQDM_DISABLE", "1")  # e.g. the GGUF conversion's progress bar
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=_CHATTY)
-    try:
+    if "transformers" in sys.modules:  # imported already (atgrpo as a library): too late for env
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def _print_eval(title: str, report: object) -> None:
@@ -465,7 +472,9 @@ def _rich_table(title: str, header: list[str], rows: list[list[str]], left: int)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    path = prepare_tiny_model() if args.tiny else prepare_default_model(force=args.force)
+    from atgrpo import models
+
+    path = models.prepare_tiny_model() if args.tiny else models.prepare_default_model(args.force)
     console.print(f"model ready: {escape(str(path))}")
     return 0
 
@@ -906,12 +915,12 @@ def _take_overrides(args: argparse.Namespace, extra: list[str]) -> str | None:
 
 
 def _expected(exc: BaseException) -> bool:
-    return isinstance(exc, (*EXPECTED_ERRORS, OSError)) or _model_load_path(exc) is not None
+    return isinstance(exc, (*expected_errors(), OSError)) or _model_load_path(exc) is not None
 
 
 def describe_failure(exc: BaseException) -> str:
     """``exc`` as one line that names the problem and, where it can, the fix."""
-    if isinstance(exc, EXPECTED_ERRORS):
+    if isinstance(exc, expected_errors()):
         return _one_line(str(exc))
     if (path := _model_load_path(exc)) is not None:
         return _model_failure(path, exc)
@@ -959,8 +968,11 @@ def _os_failure(exc: OSError) -> str:
 def _model_load_path(exc: BaseException) -> str | None:
     """The model path :func:`atgrpo.models.load_model` was loading when ``exc`` was raised in
     it (by transformers, safetensors, ...), else None."""
+    models = sys.modules.get("atgrpo.models")  # not imported: no model was loading
+    if models is None:
+        return None
     for frame, _ in traceback.walk_tb(exc.__traceback__):
-        if frame.f_code is load_model.__code__:
+        if frame.f_code is models.load_model.__code__:
             return str(frame.f_locals.get("source", frame.f_locals.get("path")))
     return None
 
