@@ -525,3 +525,17 @@ def test_two_train_processes_share_a_grid(
     assert seen == [(0, "busy"), (1, "start"), (1, "trained")]
     assert [s.state for s in grid_status(comparison)] == ["missing", "done"]
     assert second.run_dir.is_dir() and not first.run_dir.exists()
+
+
+def test_asking_a_grid_s_status_leaves_nothing_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--status only looks: it takes no claim file and makes no folder (a held claim still
+    reads as "training now", test_two_train_processes_share_a_grid)."""
+    from atgrpo.cli import main
+
+    path = _grid_file(tmp_path, seeds=[0, 1])
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["compare", str(path), "--status"]) == 0
+    assert capsys.readouterr().out.count("missing") == 2
+    assert sorted(tmp_path.rglob("*")) == before

@@ -376,11 +376,11 @@ def _some_seeds(given: str, seeds: list[int]) -> list[int]:
 
 
 def _print_grid_status(comparison: Any) -> None:
-    from atgrpo.experiments.runs import claimed, grid_status
+    from atgrpo.experiments.runs import grid_status, probe_claim
 
     for st in grid_status(comparison):
         steps = st.spec.cfg.train.steps
-        with claimed(st.spec) as free:
+        with probe_claim(st.spec) as free:
             busy = "" if free or st.finished else ", training now"
         console.print(
             f"{st.state:<8} {st.step:>4}/{steps}  {escape(st.spec.method.label)} | "

@@ -165,6 +165,24 @@ def claimed(spec: RunSpec) -> Iterator[bool]:
     path = spec.run_dir.parent / f"seed{spec.seed}.claim"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    yield from _locked(fd)
+
+
+@contextlib.contextmanager
+def probe_claim(spec: RunSpec) -> Iterator[bool]:
+    """:func:`claimed` for a look only (``--status``): a run without a claim file is free, and
+    none is created, so asking leaves nothing behind."""
+    path = spec.run_dir.parent / f"seed{spec.seed}.claim"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        yield True
+        return
+    yield from _locked(fd)
+
+
+def _locked(fd: int) -> Iterator[bool]:
+    """Whether this process took ``fd``'s lock (held until the generator closes)."""
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
