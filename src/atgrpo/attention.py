@@ -1,12 +1,10 @@
 """Attention in float32 on CPU under bf16 autocast, where this CPU's float32 kernel is faster.
 
 Under bf16 autocast PyTorch's CPU ``scaled_dot_product_attention`` runs its bf16 kernel, which
-is several times slower than its float32 one at the shapes a rollout and an update have here
-(torch 2.13, 2 cores, SmolLM2-135M's 9 query / 3 key-value heads of 64): one decode step of 32
-rows over ~195 cached tokens, 3.4 ms in bf16 against 0.46 ms in float32 (7x); a 150-token
-prompt's forward and backward 4.3 against 2.3 ms; 8 answers of 47 tokens over a 197-token
-cache 8.3 against 6.4 ms. In a 48-token rollout of 32 samples the bf16 kernel alone is about
-half of the generation time (30 layers x 48 steps x 3.4 ms).
+on a CPU without bf16 matrix units is several times slower than its float32 one at the shapes
+a rollout and an update have (a decode step, a prompt's forward and backward, answers over a
+cached prompt), enough to be about half of a short rollout's generation time; the figures are
+in docs/results/cpu-decode.md ("Attention in float32").
 
 :data:`ATTENTION` is transformers' SDPA attention (``sdpa_attention_forward``, with its mask
 function) registered under its own name, run on float32 copies of the query, key and value on
@@ -16,8 +14,8 @@ so bf16 autocast keeps its speed; attention itself is computed more precisely, t
 generation and in the update.
 
 Which of the two kernels is faster depends on the CPU: on an AMD EPYC without bf16 matrix units
-float32 wins by 7x (the figures above); on an Intel Xeon with AMX-bf16 the bf16 kernel is the
-faster one at the decode shape (0.25 against 0.41 ms). So the choice is not fixed: at the first
+float32 wins; on an Intel Xeon with AMX-bf16 the bf16 kernel is the faster one at the decode
+shape. So the choice is not fixed: at the first
 attention call under autocast, :func:`float32_attention` times both kernels at SmolLM2's decode
 shape on this machine (about 0.1 s, once per process) and takes bf16 only when it is clearly
 faster (under 0.8x float32's time), else float32, unless ``ATGRPO_CPU_ATTENTION`` says
@@ -30,10 +28,8 @@ Grouped-query heads are attended in place on CPU: with a mask and more than one 
 its query heads (``repeat_kv``: a copy of the keys and values per query head, and in the
 backward a sum over the copies), because CUDA's masked SDPA kernels need it; PyTorch's CPU
 kernel takes the grouped heads as they are (``enable_gqa``). Same values up to float rounding
-(the tests compare both, gradients too); at an update's response shape (8 answers of 47
-tokens over 244 keys, 9 query / 3 key-value heads) a forward and backward takes 1.5-1.8x
-less time in float32 and is level in bf16 (0.9-1.7x over runs; 1 thread, 2-core AMD EPYC,
-bench/bench_attention.py).
+(the tests compare both, gradients too); at an update's response shape it takes less time
+in float32 and is level in bf16 (bench/bench_attention.py; docs/results/cpu-decode.md).
 """
 
 from __future__ import annotations
