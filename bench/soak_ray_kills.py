@@ -309,7 +309,7 @@ def main() -> int:
         p.done = one_life(out, args.steps, p, tuple(args.every), args.seed)
         save()
     differences = compare(out / "reference", out / "killed", args.steps)
-    # A killed driver's Ray agents outlive it by up to ~100 s (they poll for their raylet).
+    # A killed driver's Ray agents (dashboard, runtime env) outlive it by up to ~100 s.
     deadline = time.monotonic() + LINGER_S
     while (left := leftovers(p.killed_pids)) and time.monotonic() < deadline:
         time.sleep(1)
