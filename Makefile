@@ -135,7 +135,8 @@ $(VENV)/.ray: $(VENV)/.test
 	touch $@
 
 # Opt-in: tests marked scale (the Ray backend on a local and on a simulated two-node cluster,
-# two-rank gloo data parallelism), all on CPU; about 1.5 min on 2 cores.
+# two-rank gloo data parallelism, sharded groups, Ray workers SIGKILLed mid-step and a short
+# kill soak), all on CPU; about 25-30 min on 2 cores.
 .PHONY: test-scale
 test-scale: $(VENV)/.ray
 	@$(VENV)/bin/pytest -q -m scale; s=$$?; if [ $$s -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$s
