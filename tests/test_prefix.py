@@ -13,8 +13,8 @@ from atgrpo.algo.loss import LossAggregation
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.prefix import (
     PackPlan,
+    by_prompt,
     pack_responses,
-    prompt_groups,
     response_states_on_prompts,
     run_prompts,
 )
@@ -232,4 +232,4 @@ def test_prompt_groups_keep_identical_prompts_together() -> None:
         return Sample(0, 0, "a", 0, 0, "p", prompt, [1], [0.0], 0.0, 0.0, 0.0, True)
 
     a, b, c = s([1, 2]), s([1, 2, 3]), s([1, 2])
-    assert prompt_groups([a, b, c]) == [[a, c], [b]]
+    assert by_prompt([a, b, c]) == [[a, c], [b]]

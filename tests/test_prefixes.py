@@ -10,7 +10,7 @@ from atgrpo.attention import register
 from atgrpo.generation import HFGenerator
 from atgrpo.generation.prefixes import (
     MIN_SHARED,
-    Group,
+    SharedPrefix,
     positions,
     prefix_groups,
     two_blocks,
@@ -23,7 +23,7 @@ OFF = {"top_k": 0, "top_p": 1.0}
 TOLERANCE = 1e-5  # fp32
 
 
-def _sorted(groups: list[Group]) -> list[tuple[int, list[int]]]:
+def _sorted(groups: list[SharedPrefix]) -> list[tuple[int, list[int]]]:
     return sorted((g.length, sorted(g.members)) for g in groups)
 
 
@@ -55,7 +55,7 @@ def test_worth_sharing_needs_a_share_of_the_tokens_skipped() -> None:
 
 def test_the_two_blocks_by_hand() -> None:
     prompts = [[7, 8, 9, 1], [7, 8, 9, 2, 3], [4, 5]]
-    groups = [Group(3, [0, 1]), Group(2, [2])]
+    groups = [SharedPrefix(3, [0, 1]), SharedPrefix(2, [2])]
     blocks = two_blocks(prompts, groups, pad_id=0)
     assert blocks.prefix_ids.tolist() == [[7, 8, 9], [0, 4, 5]]
     assert blocks.prefix_mask.tolist() == [[1, 1, 1], [0, 1, 1]]

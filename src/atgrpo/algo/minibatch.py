@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from atgrpo.algo.prefix import prompt_groups
+from atgrpo.algo.prefix import by_prompt
 from atgrpo.algo.records import Sample
 
 
@@ -32,7 +32,7 @@ def mini_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
     order, and the same on a resumed run: no RNG is drawn), cut into contiguous runs whose
     sizes come as near the even share as whole groups allow (:func:`_cuts`).
     """
-    groups = sorted(prompt_groups(samples), key=_prompt_hash)
+    groups = sorted(by_prompt(samples), key=_prompt_hash)
     count = 1 if size <= 0 else min(math.ceil(len(samples) / size), len(groups))
     if count <= 1:
         return [samples]
@@ -80,7 +80,7 @@ def deal(samples: list[Sample], ranks: int, whole_groups: bool) -> list[list[Sam
     if not whole_groups:
         ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
         return [ordered[rank::ranks] for rank in range(ranks)]
-    groups = sorted(prompt_groups(samples), key=lambda g: -sum(len(s.response_ids) for s in g))
+    groups = sorted(by_prompt(samples), key=lambda g: -sum(len(s.response_ids) for s in g))
     return [[s for g in groups[rank::ranks] for s in g] for rank in range(ranks)]
 
 

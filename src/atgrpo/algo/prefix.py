@@ -44,7 +44,7 @@ class PrefixSharingError(ValueError):
     """The model's cache cannot be shared; the message names the setting that turns it off."""
 
 
-def prompt_groups(samples: list[Sample]) -> list[list[Sample]]:
+def by_prompt(samples: list[Sample]) -> list[list[Sample]]:
     """Samples with byte-identical prompts, together, in first-seen order."""
     groups: dict[tuple[int, ...], list[Sample]] = {}
     for s in samples:

@@ -64,7 +64,7 @@ from atgrpo.algo.loss import (
 )
 from atgrpo.algo.minibatch import Shard, TrainerLogprobs, mini_batches, shards
 from atgrpo.algo.policy import Policy
-from atgrpo.algo.prefix import prompt_groups, run_prompts
+from atgrpo.algo.prefix import by_prompt, run_prompts
 from atgrpo.algo.records import Sample
 from atgrpo.algo.scores import (
     Scores,
@@ -511,7 +511,7 @@ def _shared_passes(
     responses, states, whether the chunk is those prompts' last)."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
-    groups = prompt_groups(samples)
+    groups = by_prompt(samples)
     size = settings.micro_batch_size
     for first in range(0, len(groups), size):
         batch = groups[first : first + size]

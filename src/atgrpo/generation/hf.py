@@ -37,7 +37,7 @@ from atgrpo.generation import memory
 from atgrpo.generation.base import Generation, SamplingParams
 from atgrpo.generation.cache import growing
 from atgrpo.generation.prefixes import (
-    Group,
+    SharedPrefix,
     positions,
     prefix_groups,
     two_blocks,
@@ -250,7 +250,7 @@ class HFGenerator:
         return growing(cache), input_ids, attention_mask
 
     def _prefill_prefixes(
-        self, heads: list[list[int]], groups: list[Group], device: torch.device
+        self, heads: list[list[int]], groups: list[SharedPrefix], device: torch.device
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:  # D rows of L + S tokens, (D, L + S)
         """Each group's prefix in one pass, then every prompt's rest over a copy of its group's
         keys and values (:mod:`atgrpo.generation.prefixes`)."""

@@ -31,14 +31,14 @@ MIN_SAVED_SHARE = 0.2
 
 
 @dataclass(frozen=True)
-class Group:
+class SharedPrefix:
     """Prompts (indices into the batch) whose first ``length`` tokens are the same."""
 
     length: int
     members: list[int]
 
 
-def prefix_groups(prompts: list[list[int]]) -> list[Group]:
+def prefix_groups(prompts: list[list[int]]) -> list[SharedPrefix]:
     """The prompts in groups that share a prefix, chosen to skip the most prefill tokens.
 
     In sorted order, where prompts that share a prefix stand together, a run of n neighbours
@@ -59,18 +59,18 @@ def prefix_groups(prompts: list[list[int]]) -> list[Group]:
                 break
             if (gain := best[start] + (end - start - 1) * shared) > best[end]:
                 best[end], cut[end] = gain, start
-    groups: list[Group] = []
+    groups: list[SharedPrefix] = []
     end = len(order)
     while end > 0:
         start = cut[end]
         members = order[start:end]
         length = min(common[start : end - 1]) if len(members) > 1 else len(prompts[members[0]])
-        groups.append(Group(length, members))
+        groups.append(SharedPrefix(length, members))
         end = start
     return groups[::-1]
 
 
-def worth_sharing(groups: list[Group], prompts: list[list[int]]) -> bool:
+def worth_sharing(groups: list[SharedPrefix], prompts: list[list[int]]) -> bool:
     """Whether the groups skip enough of the prefill for the second pass (MIN_SAVED_SHARE)."""
     saved = sum((len(g.members) - 1) * g.length for g in groups)
     return saved > 0 and saved >= MIN_SAVED_SHARE * sum(len(p) for p in prompts)
@@ -96,7 +96,7 @@ class TwoBlocks:
     mask: torch.Tensor  # (D, L + S): both blocks of each prompt
 
 
-def two_blocks(prompts: list[list[int]], groups: list[Group], pad_id: int) -> TwoBlocks:
+def two_blocks(prompts: list[list[int]], groups: list[SharedPrefix], pad_id: int) -> TwoBlocks:
     """The two-block layout of ``prompts`` (module docstring)."""
     width = max(g.length for g in groups)
     rest_width = max(len(prompts[i]) - g.length for g in groups for i in g.members)

@@ -38,7 +38,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from atgrpo.generation.cpu.kernels import MAX_ROWS, Kernel
-from atgrpo.generation.cpu.packed import Group
+from atgrpo.generation.cpu.packed import FusedLinears
 
 # transformers' norms that compute weight * (x * rsqrt(mean(x^2) + eps)) in float32
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
@@ -57,7 +57,7 @@ ATTENTIONS: dict[str, Callable[[Any], dict[str, Any]]] = {
 }
 
 
-def groups(model: torch.nn.Module) -> list[Group]:
+def groups(model: torch.nn.Module) -> list[FusedLinears]:
     """The linear layers :func:`active` runs as one call, where they are packed together: each
     taken attention's query, key and value layers (all with biases or none, the model's
     attention function registered with transformers: not its eager one), each taken MLP's gate
@@ -67,11 +67,11 @@ def groups(model: torch.nn.Module) -> list[Group]:
     return [group for group in found if all(type(layer) is torch.nn.Linear for layer in group)]
 
 
-def _group(module: Any) -> Group | None:
+def _group(module: Any) -> FusedLinears | None:
     """``module``'s layers of one input that a fused forward runs as one, if it is taken."""
     name = type(module).__name__
     if name in ATTENTIONS and _attention_function(module) is not None:
-        group: Group = (module.q_proj, module.k_proj, module.v_proj)
+        group: FusedLinears = (module.q_proj, module.k_proj, module.v_proj)
         with_bias = [layer.bias is not None for layer in group]
         return group if all(with_bias) or not any(with_bias) else None
     if name in MLPS and _silu_mlp(module):
@@ -108,7 +108,9 @@ class _Attending:
 
 @contextlib.contextmanager
 def active(
-    model: torch.nn.Module, kernel: Kernel, packed: Mapping[Group, torch.Tensor] | None = None
+    model: torch.nn.Module,
+    kernel: Kernel,
+    packed: Mapping[FusedLinears, torch.Tensor] | None = None,
 ) -> Iterator[None]:
     """Run ``model``'s norms, SiLU MLPs and attentions (those named above) on ``kernel`` inside
     the block; ``packed``: the weights of :func:`groups` packed together, where they are."""

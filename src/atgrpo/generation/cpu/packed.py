@@ -48,7 +48,7 @@ from atgrpo.generation.cpu import kernels
 # (the layer itself is not held: the packed weights are kept by a weak reference to it)
 Forward = Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]
 # linear layers of one input that run as one (an attention's query, key and value layers)
-Group = tuple[torch.nn.Linear, ...]
+FusedLinears = tuple[torch.nn.Linear, ...]
 
 
 def supported(model: Any, autocast_dtype: torch.dtype | None) -> bool:
@@ -110,8 +110,8 @@ class PackedLinears:
 
     @contextlib.contextmanager
     def active(
-        self, model: torch.nn.Module, groups: Sequence[Group] = ()
-    ) -> Iterator[dict[Group, torch.Tensor]]:
+        self, model: torch.nn.Module, groups: Sequence[FusedLinears] = ()
+    ) -> Iterator[dict[FusedLinears, torch.Tensor]]:
         """Run every linear layer of ``model`` on its packed weight inside the block.
 
         ``groups``: layers of one input that a fused forward runs as one
@@ -130,7 +130,7 @@ class PackedLinears:
             for layer in layers:
                 del layer.forward  # back to nn.Linear.forward
 
-    def _group(self, group: Group) -> torch.Tensor | None:
+    def _group(self, group: FusedLinears) -> torch.Tensor | None:
         """``group``'s weights packed together for the decode kernel (kept like a layer's,
         under its first layer), or None where the kernel does not run them."""
         kernel = kernels.extension() if self.decode_kernel else None
