@@ -169,9 +169,9 @@ def test_the_estimate_counts_the_bf16_copy_and_base_and_resolves_auto(
     assert lora.rollout_copy == 0
     assert lora.weights < 3 * params  # a bf16 base (2 bytes) and small fp32 adapters
     auto = load_config(CONFIGS / "tiny.yaml", [*BF16, "rollout.engine=auto"])
-    monkeypatch.setattr(est, "vllm_installed", lambda: False)
+    monkeypatch.setattr(policies_module, "vllm_installed", lambda: False)
     assert est.engine(auto, on_gpu=True, shard=False) is RolloutEngine.HF
-    monkeypatch.setattr(est, "vllm_installed", lambda: True)
+    monkeypatch.setattr(policies_module, "vllm_installed", lambda: True)
     assert est.engine(auto, on_gpu=True, shard=False) is RolloutEngine.VLLM
     assert est.engine(auto, on_gpu=True, shard=True) is RolloutEngine.HF
     assert est.engine(auto, on_gpu=False, shard=False) is RolloutEngine.HF

@@ -211,11 +211,7 @@ def resolved_engine(option: RolloutEngine, device: torch.device) -> RolloutEngin
     else hf, and says in one warning line why it is not vllm."""
     if option is not RolloutEngine.AUTO:
         return option
-    why = None
-    if device.type != "cuda":
-        why = f"the policy is on {device.type}, and vLLM's engine is for GPUs here"
-    elif not vllm_installed():
-        why = "vLLM is not installed (pip install vllm)"
+    why = why_not_vllm(device.type)
     if why is None:
         return RolloutEngine.VLLM
     warnings.warn(
@@ -224,6 +220,15 @@ def resolved_engine(option: RolloutEngine, device: torch.device) -> RolloutEngin
         stacklevel=2,
     )
     return RolloutEngine.HF
+
+
+def why_not_vllm(device_type: str) -> str | None:
+    """Why ``rollout.engine: auto`` samples with HF on a ``device_type`` device; None: vLLM."""
+    if device_type != "cuda":
+        return f"the policy is on {device_type}, and vLLM's engine is for GPUs here"
+    if not vllm_installed():
+        return "vLLM is not installed (pip install vllm)"
+    return None
 
 
 def vllm_settings(cfg: Config, sharing: list[Policy]) -> VLLMSettings:

@@ -30,9 +30,8 @@ from atgrpo.config import (
     WorkerGroupConfig,
 )
 from atgrpo.generation import memory
-from atgrpo.generation.vllm import vllm_installed
 from atgrpo.models import DEFAULT_MODEL, TINY_MODEL, resolve_model_path
-from atgrpo.policies import sleep_engine
+from atgrpo.policies import sleep_engine, why_not_vllm
 
 GIB = 2**30
 # A CPU process's resident memory before any model: Python, torch, transformers and atgrpo
@@ -366,7 +365,8 @@ def engine(cfg: Config, on_gpu: bool, shard: bool) -> RolloutEngine:
     vllm on a GPU where vLLM is installed here, and hf for a sharded policy."""
     if cfg.rollout.engine is not RolloutEngine.AUTO:
         return cfg.rollout.engine
-    return RolloutEngine.VLLM if on_gpu and not shard and vllm_installed() else RolloutEngine.HF
+    vllm = not shard and why_not_vllm("cuda" if on_gpu else "cpu") is None
+    return RolloutEngine.VLLM if vllm else RolloutEngine.HF
 
 
 def _checkpoint_bytes(cfg: Config, group: Group, shape: Shape) -> int:
