@@ -13,6 +13,9 @@ import torch
 from atgrpo.algo.advantage import AdvantageScale, AdvantageSettings, Grouping, StdKind
 from atgrpo.algo.loss import OldLogprobs
 from atgrpo.algo.records import Sample
+from atgrpo.algo.rollout import RolloutSettings
+from atgrpo.algo.sampling import AgentSampling
+from atgrpo.algo.truncation import TruncationSettings
 from atgrpo.generation import HFGenerator, SamplingParams
 
 # The rest of atgrpo.algo.update.UpdateSettings, as the default config sets it.
@@ -22,14 +25,31 @@ UPDATE_DEFAULTS: dict[str, Any] = {
     "tis_cap": 0.0,
     "share_prefix": True,
 }
-# The rest of atgrpo.algo.rollout.RolloutSettings: no top-k / top-p, the paper's local weight, and
-# no lookahead credit (tests of team credit turn it on themselves).
-ROLLOUT_DEFAULTS: dict[str, Any] = {
-    "top_k": 0,
-    "top_p": 1.0,
-    "local_weight": 1.0,
-    "lookahead": False,
-}
+
+
+def rollout_settings(
+    caps: dict[str, int],
+    num_generations: int,
+    *,
+    tree: bool = True,
+    temperature: float | None = 1.0,
+    alpha: float = 0.7,
+    local_weight: float = 1.0,
+    lookahead: bool = False,
+    truncation: dict[str, TruncationSettings] | None = None,
+    ablated: frozenset[str] = frozenset(),
+) -> RolloutSettings:
+    """A rollout in which each agent of ``caps`` decodes up to its cap at ``temperature`` (None:
+    greedy) with no top-k / top-p and keeps its cut responses unless ``truncation`` says; the
+    paper's local weight and no lookahead credit (tests of team credit turn it on)."""
+    own = truncation or {}
+    agents = {
+        a: AgentSampling(SamplingParams(cap, temperature, 0, 1.0), own.get(a, TruncationSettings()))
+        for a, cap in caps.items()
+    }
+    return RolloutSettings(
+        num_generations, tree, agents, alpha, local_weight, lookahead, ablated=ablated
+    )
 
 
 def adv_settings(

@@ -42,9 +42,13 @@ def test_per_agent_settings_fall_back_to_the_rollouts() -> None:
         ["rollout.agents.tool.temperature=0.7", "rollout.agents.tool.max_new_tokens=30",
          "rollout.agents.planner.top_k=5", "rollout.top_p=0.9"],
     )  # fmt: skip
-    tool, planner = cfg.rollout.agent("tool"), cfg.rollout.agent("planner")
-    assert (tool.temperature, tool.top_k, tool.top_p, tool.max_new_tokens) == (0.7, 0, 0.9, 30)
-    assert (planner.temperature, planner.top_k, planner.max_new_tokens) == (1.0, 5, 1)
+    tool, planner = cfg.rollout.agent("tool").params, cfg.rollout.agent("planner").params
+    assert tool == SamplingParams(max_new_tokens=30, temperature=0.7, top_k=0, top_p=0.9)
+    assert planner == SamplingParams(max_new_tokens=1, temperature=1.0, top_k=5, top_p=0.9)
+    # Evaluation changes the same record: eval.max_new_tokens comes under the agent's own cap.
+    held_out = eval_rollout_settings(load_config(TINY, ["eval.max_new_tokens=7"]), AGENTS)
+    assert held_out.params("tool").max_new_tokens == 7  # no cap of its own
+    assert held_out.params("planner").max_new_tokens == 1  # its own cap
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,6 @@ from atgrpo.algo.loss import LossAggregation
 from atgrpo.algo.minibatch import mini_batches
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.records import Sample
-from atgrpo.algo.truncation import Truncation
 from atgrpo.algo.update import DataParallel, UpdateSettings, ppo_update, shard_update
 from atgrpo.config import load_config
 from atgrpo.generation import HFGenerator, SamplingParams
@@ -221,7 +220,7 @@ def test_masked_responses_shrink_groups_and_the_mini_batches_stay_even() -> None
     samples = [_sample([g, 7], k) for g in range(8) for k in range(4)]
     for s in samples[1:18:4]:
         s.truncated = True
-    masked = dataclasses.replace(BASE, ppo_mini_batch_size=8, truncation=Truncation.MASK)
+    masked = dataclasses.replace(BASE, ppo_mini_batch_size=8, masked=frozenset({"a"}))
     (shard,) = shard_update(samples, masked, 1)
     sizes = [len(part) for part in shard.parts]
     assert len(sizes) == 4 and sum(sizes) == 27 and min(sizes) >= 27 // 4 - 3

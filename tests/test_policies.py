@@ -19,7 +19,7 @@ import torch
 
 from atgrpo.algo.loss import LossAggregation
 from atgrpo.algo.records import Sample
-from atgrpo.algo.rollout import RolloutSettings, collect_rollout
+from atgrpo.algo.rollout import collect_rollout
 from atgrpo.algo.update import UpdateSettings, ppo_update
 from atgrpo.config import ConfigError, load_config
 from atgrpo.envs.base import StepOutcome, TurnBasedEnv, Workflow
@@ -38,7 +38,7 @@ from atgrpo.training.loop import update_policies
 from atgrpo.training.runtime import build_runtime
 from atgrpo.training.settings import update_settings
 from conftest import REPO
-from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS
+from helpers import UPDATE_DEFAULTS, rollout_settings
 
 CONFIGS = REPO / "configs"
 SETTINGS = UpdateSettings(
@@ -226,11 +226,7 @@ def test_every_sample_reaches_the_policy_of_its_agent(monkeypatch: pytest.Monkey
         env = ThreeAgentEnv()
         env.reset(seed=seed)
         envs.append(env)
-    settings = RolloutSettings(
-        num_generations=2, tree=True, temperature=1.0, max_new_tokens=dict.fromkeys("abc", 4),
-        alpha=0.7,
-        **ROLLOUT_DEFAULTS,
-    )  # fmt: skip
+    settings = rollout_settings(dict.fromkeys("abc", 4), 2)
     with ThreadPoolExecutor(2) as pool:
         rollout = collect_rollout(
             envs, [0, 1, 2], generators=gens, policy_of=policy_of, encode=_encode,

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from atgrpo.algo.advantage import Grouping, assign_advantages
-from atgrpo.algo.rollout import EnvStepper, RolloutSettings, ThreadStepper, collect_rollout
+from atgrpo.algo.rollout import EnvStepper, ThreadStepper, collect_rollout
 from atgrpo.envs import PlanPathConfig, PlanPathEnv
 from atgrpo.generation import Generation
-from helpers import ROLLOUT_DEFAULTS, adv_settings
+from helpers import adv_settings, rollout_settings
 
 
 class ScriptedGenerator:
@@ -62,14 +62,7 @@ def _envs(n: int, workflow: str = "mas", seed0: int = 0) -> list[PlanPathEnv]:
 
 def _run(envs, gen, width=3, tree=True, stepper: Callable[..., EnvStepper] | None = None):
     """A rollout; ``stepper(pool)`` steps the envs (default: ``pool=``, a ThreadStepper)."""
-    settings = RolloutSettings(
-        num_generations=width,
-        tree=tree,
-        temperature=1.0,
-        max_new_tokens={"tool": 64, "planner": 64},
-        alpha=0.7,
-        **ROLLOUT_DEFAULTS,
-    )
+    settings = rollout_settings({"tool": 64, "planner": 64}, width, tree=tree)
     with ThreadPoolExecutor(4) as pool:
         return collect_rollout(
             envs,
@@ -179,9 +172,7 @@ def test_collect_rollout_takes_one_stepper() -> None:
     with ThreadPoolExecutor(1) as pool, pytest.raises(TypeError, match="exactly one"):
         collect_rollout(
             _envs(1), [0], generators={}, policy_of={}, encode=encode,
-            settings=RolloutSettings(
-                1, True, 1.0, max_new_tokens={}, alpha=0.7, **ROLLOUT_DEFAULTS
-            ),
+            settings=rollout_settings({}, 1),
             stepper=ThreadStepper(pool), pool=pool,
         )  # fmt: skip
 
@@ -261,11 +252,9 @@ class AdoptingGenerator:
 
 
 def _team_only_rollout(lookahead: bool, gen: AdoptingGenerator):
-    settings = RolloutSettings(
-        num_generations=4, tree=True, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens={"tool": 64, "planner": 64}, alpha=1.0, local_weight=0.0,
-        lookahead=lookahead,
-    )  # fmt: skip
+    settings = rollout_settings(
+        {"tool": 64, "planner": 64}, 4, alpha=1.0, local_weight=0.0, lookahead=lookahead
+    )
     envs = _envs(4)
     with ThreadPoolExecutor(4) as pool:
         return collect_rollout(
@@ -319,14 +308,8 @@ def test_an_ablated_agents_answer_never_reaches_the_others_and_the_episode_runs(
     runs = {}
     for ablated in (frozenset(), frozenset({"tool"})):
         gen = ScriptedGenerator({"tool": [marker_program], "planner": PLANS})
-        settings = RolloutSettings(
-            num_generations=1,
-            tree=True,
-            temperature=None,
-            max_new_tokens={"tool": 64, "planner": 64},
-            alpha=0.7,
-            **ROLLOUT_DEFAULTS,
-            ablated=ablated,
+        settings = rollout_settings(
+            {"tool": 64, "planner": 64}, 1, temperature=None, ablated=ablated
         )
         envs = _envs(3)
         with ThreadPoolExecutor(2) as pool:

@@ -20,7 +20,7 @@ from atgrpo.algo.advantage import mix_reward, trajectory_return
 from atgrpo.algo.loss import LossAggregation
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.records import EpisodeResult, Rollout, Sample
-from atgrpo.algo.rollout import AgentSampling, RolloutSettings, collect_rollout
+from atgrpo.algo.rollout import collect_rollout
 from atgrpo.algo.truncation import Truncation, TruncationSettings, overlong_penalty
 from atgrpo.algo.update import DataParallel, UpdateSettings, UpdateStats, ppo_update
 from atgrpo.config import ConfigError, load_config
@@ -29,15 +29,16 @@ from atgrpo.generation import Generation, HFGenerator, SamplingParams
 from atgrpo.policies import build_policy
 from atgrpo.report import plots_of
 from atgrpo.training.metrics import rollout_metrics
+from atgrpo.training.settings import update_settings
 from conftest import REPO
-from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS, mixed_batch
+from helpers import UPDATE_DEFAULTS, mixed_batch, rollout_settings
 
 TINY = REPO / "configs" / "tiny.yaml"
 # No gradient clipping (1e9): a clipped gradient hides a change of scale.
 BASE = UpdateSettings(
     1.0, 0.2, 0.2, LossAggregation.TOKEN_MEAN, 0.0, 0.0, 3, 1e9, **UPDATE_DEFAULTS
 )
-MASK = dataclasses.replace(BASE, truncation=Truncation.MASK)
+MASK = dataclasses.replace(BASE, masked=frozenset({"planner"}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,10 +127,7 @@ def test_the_rollout_records_cut_responses_and_penalises_the_planner_by_length()
     expected["R"] = (0.0, False)
     gen = CuttingGenerator({"tool": ['```python\nprint("U")\n```'], "planner": list(expected)})
     truncation = TruncationSettings(Truncation.OVERLONG_PENALTY, 4, 0.5)
-    settings = RolloutSettings(
-        num_generations=4, tree=True, temperature=1.0, max_new_tokens={"tool": 64, "planner": 8},
-        alpha=0.7, **ROLLOUT_DEFAULTS, per_agent={"planner": AgentSampling(truncation=truncation)},
-    )  # fmt: skip
+    settings = rollout_settings({"tool": 64, "planner": 8}, 4, truncation={"planner": truncation})
     with ThreadPoolExecutor(2) as pool:
         rollout = collect_rollout(
             _plan_path(2), [0, 1], generators={"shared": gen},
@@ -207,7 +205,7 @@ def test_mask_equals_the_update_without_the_cut_samples(
     samples[0].truncated = samples[3].truncated = True  # one with signal, one without
     kept = [s for s in samples if not s.truncated]
     base = dataclasses.replace(BASE, aggregation=aggregation, share_prefix=share_prefix)
-    mask = dataclasses.replace(base, truncation=Truncation.MASK)
+    mask = dataclasses.replace(base, masked=frozenset({"planner"}))
     masked, masked_stats = _gradients(policy, samples, mask)
     without, without_stats = _gradients(policy, kept, base)
     assert _same(masked, without)
@@ -216,11 +214,9 @@ def test_mask_equals_the_update_without_the_cut_samples(
     assert counts == (without_stats.num_samples, without_stats.num_tokens)
     assert counts == (4, sum(len(s.response_ids) for s in kept))
     assert masked_stats.computed_samples == 3  # skipping still leaves out the zero advantage
-    # keep (the default), and mask overridden back to keep for this agent, train on them.
+    # keep (the default: no agent masked) trains on them.
     everything, _ = _gradients(policy, samples, base)
     assert not _same(everything, without)
-    back = dataclasses.replace(mask, truncation_per_agent={"planner": Truncation.KEEP})
-    assert _same(_gradients(policy, samples, back)[0], everything)
 
 
 def test_mask_per_agent_and_a_batch_of_only_cut_responses_does_not_step(tmp_path: Path) -> None:
@@ -228,10 +224,10 @@ def test_mask_per_agent_and_a_batch_of_only_cut_responses_does_not_step(tmp_path
     samples = _samples(policy, [1.0, -1.0])
     for s in samples:
         s.truncated = True
-    only_tool = dataclasses.replace(BASE, truncation_per_agent={"tool": Truncation.MASK})
+    only_tool = dataclasses.replace(BASE, masked=frozenset({"tool"}))
     assert not ppo_update(policy, samples, only_tool).skipped  # the planner keeps its
     before = [p.detach().clone() for p in policy.params]
-    planner = dataclasses.replace(BASE, truncation_per_agent={"planner": Truncation.MASK})
+    planner = dataclasses.replace(BASE, masked=frozenset({"planner"}))
     stats = ppo_update(policy, samples, planner)
     assert stats.skipped and stats.reason == "no samples with signal" and stats.num_samples == 0
     assert all(torch.equal(b, p) for b, p in zip(before, policy.params, strict=True))
@@ -287,9 +283,9 @@ def test_two_ranks_with_masked_samples_take_the_step_without_them(tmp_path: Path
 
 def test_truncation_settings_resolve_per_agent_and_a_too_long_buffer_names_its_key() -> None:
     cfg = load_config(TINY, ["rollout.truncation=overlong_penalty"])  # tool 24, planner 1 token
-    tool, planner = cfg.rollout.agent("tool"), cfg.rollout.agent("planner")
+    tool, planner = cfg.rollout.agent("tool").truncation, cfg.rollout.agent("planner").truncation
     assert (tool.overlong_buffer, planner.overlong_buffer) == (4, 1)  # a fifth, at least 1
-    assert tool.truncation is planner.truncation is Truncation.OVERLONG_PENALTY
+    assert tool.mode is planner.mode is Truncation.OVERLONG_PENALTY
     with pytest.raises(ConfigError) as info:
         load_config(TINY, ["rollout.truncation=overlong_penalty", "rollout.overlong_buffer=8"])
     message = str(info.value)
@@ -303,8 +299,13 @@ def test_truncation_settings_resolve_per_agent_and_a_too_long_buffer_names_its_k
             "rollout.agents.planner.truncation=mask",
         ],
     )
-    assert fixed.rollout.agent("planner").truncation is Truncation.MASK
-    assert fixed.rollout.agent("tool").overlong_buffer == 8
+    assert fixed.rollout.agent("planner").truncation.mode is Truncation.MASK
+    assert fixed.rollout.agent("tool").truncation.overlong_buffer == 8
+    # The update masks the cut responses of the agents whose own setting is mask, and only those.
+    agents = ("tool", "planner")
+    assert update_settings(fixed, agents).masked == {"planner"}
+    back = load_config(TINY, ["rollout.truncation=mask", "rollout.agents.planner.truncation=keep"])
+    assert update_settings(back, agents).masked == {"tool"}
 
 
 def test_truncated_frac_metric_and_its_report_curve(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from atgrpo.algo.collate import collate, response_logits
 from atgrpo.algo.loss import LossAggregation, token_logprobs
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.records import Sample
-from atgrpo.algo.rollout import RolloutSettings, collect_rollout
+from atgrpo.algo.rollout import collect_rollout
 from atgrpo.algo.update import UpdateSettings, ppo_update
 from atgrpo.config import Config, ConfigError, load_config
 from atgrpo.envs import Split, make_env, split_seeds
@@ -34,7 +34,7 @@ from atgrpo.generation.sampler import process_logits
 from atgrpo.models import resolve_model_path
 from atgrpo.policies import build_generators, build_policies, make_encoder, vllm_settings
 from conftest import REPO
-from helpers import ROLLOUT_DEFAULTS, UPDATE_DEFAULTS, adv_settings
+from helpers import UPDATE_DEFAULTS, adv_settings, rollout_settings
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (make test-vllm)")
@@ -195,14 +195,7 @@ def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
         envs = [make_env(cfg.env) for _ in seeds]
         for env, seed in zip(envs, seeds, strict=True):
             env.reset(seed=seed, options={"split": "train"})
-        rs = RolloutSettings(
-            num_generations=3,
-            tree=True,
-            temperature=1.0,
-            max_new_tokens=max_new,
-            alpha=0.7,
-            **ROLLOUT_DEFAULTS,
-        )
+        rs = rollout_settings(max_new, 3)
         with ThreadPoolExecutor(2) as pool:
             out = collect_rollout(
                 envs,

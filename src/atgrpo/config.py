@@ -11,7 +11,6 @@ import copy
 import difflib
 import enum
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -36,9 +35,11 @@ from atgrpo.algo.options import (
     StdKind,
     StdScope,
 )
-from atgrpo.algo.truncation import Truncation
+from atgrpo.algo.sampling import AgentSampling
+from atgrpo.algo.truncation import Truncation, TruncationSettings
 from atgrpo.envs import BUILTIN_ENVS, EnvConfig, EnvSpecError, PlanPathConfig
 from atgrpo.envs.registry import PLUGIN_TAG, env_tag
+from atgrpo.generation.base import SamplingParams
 
 
 class ConfigError(ValueError):
@@ -222,20 +223,6 @@ class AgentRolloutConfig(_Section):
     )
 
 
-@dataclass(frozen=True)
-class AgentRollout:
-    """One agent's rollout settings, its ``rollout.agents.<id>`` over the rollout's
-    (:meth:`RolloutConfig.agent`)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    max_new_tokens: int
-    truncation: Truncation
-    overlong_buffer: int
-    overlong_penalty_factor: float
-
-
 _T = TypeVar("_T")
 
 
@@ -375,22 +362,26 @@ class RolloutConfig(_Section):
             return CpuKernels.AUTO if value else CpuKernels.OFF
         return value
 
-    def agent(self, agent_id: str) -> AgentRollout:
-        """``agent_id``'s settings: ``agents.<id>``, then the rollout's own; the one place the
-        fallbacks are applied."""
+    def agent(self, agent_id: str, cap: int | None = None) -> AgentSampling:
+        """``agent_id``'s sampling: ``agents.<id>``, then the rollout's own; the one place the
+        fallbacks are applied (training and evaluation both start from this record). ``cap``
+        comes between the agent's own token cap and the rollout's (``eval.max_new_tokens``)."""
         own = self.agents.get(agent_id) or AgentRolloutConfig()  # type: ignore[call-arg]
-        max_new = _first(self.max_new_tokens_override(agent_id), self.max_new_tokens)
-        return AgentRollout(
+        max_new = _first(own.max_new_tokens, cap, self.max_new_tokens)
+        params = SamplingParams(
+            max_new_tokens=max_new,
             temperature=_first(own.temperature, self.temperature),
             top_k=_first(own.top_k, self.top_k),
             top_p=_first(own.top_p, self.top_p),
-            max_new_tokens=max_new,
-            truncation=_first(own.truncation, self.truncation),
+        )
+        truncation = TruncationSettings(
+            mode=_first(own.truncation, self.truncation),
             overlong_buffer=_first(own.overlong_buffer, self.overlong_buffer, max(1, max_new // 5)),
             overlong_penalty_factor=_first(
                 own.overlong_penalty_factor, self.overlong_penalty_factor
             ),
         )
+        return AgentSampling(params, truncation)
 
     @field_validator("generation_batch_size", mode="before")
     @classmethod
@@ -400,11 +391,6 @@ class RolloutConfig(_Section):
         ):
             return value
         raise ValueError(f"{value!r} is neither auto nor a count of 0 or more")
-
-    def max_new_tokens_override(self, agent_id: str) -> int | None:
-        """The agent's own cap (``agents.<id>.max_new_tokens``), if it has one."""
-        own = self.agents.get(agent_id)
-        return None if own is None else own.max_new_tokens
 
     @model_validator(mode="before")
     @classmethod
@@ -436,8 +422,8 @@ class RolloutConfig(_Section):
     def _check_overlong_buffer(self, agent: str) -> None:
         """DAPO's buffer lies inside the agent's token budget (else its penalty starts at 0)."""
         settings = self.agent(agent)
-        too_long = settings.overlong_buffer > settings.max_new_tokens
-        if settings.truncation is not Truncation.OVERLONG_PENALTY or not too_long:
+        buffer, cap = settings.truncation.overlong_buffer, settings.params.max_new_tokens
+        if settings.truncation.mode is not Truncation.OVERLONG_PENALTY or buffer <= cap:
             return
         own = self.agents.get(agent)
         key = "rollout.overlong_buffer"
@@ -445,8 +431,8 @@ class RolloutConfig(_Section):
             key = f"rollout.agents.{agent}.overlong_buffer"
         raise KeyedValueError(
             key,
-            f"the overlong buffer ({settings.overlong_buffer}) exceeds the max_new_tokens "
-            f"({settings.max_new_tokens}) of {f'agent {agent!r}' if agent else 'agents'}"
+            f"the overlong buffer ({buffer}) exceeds the max_new_tokens ({cap}) of "
+            f"{f'agent {agent!r}' if agent else 'agents'}"
             f"; set rollout.agents.{agent or '<id>'}.overlong_buffer",
         )
 

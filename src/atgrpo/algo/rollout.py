@@ -36,11 +36,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Protocol
 
 from atgrpo.algo.advantage import mix_reward
 from atgrpo.algo.records import EpisodeResult, Rollout, Sample
+from atgrpo.algo.sampling import AgentSampling
 from atgrpo.algo.truncation import TruncationSettings
 from atgrpo.envs import MultiAgentEnv, StepOutcome
 from atgrpo.envs.base import Message, env_call
@@ -116,59 +117,29 @@ class _TimedStepper:
 
 
 @dataclass(frozen=True)
-class AgentSampling:
-    """One agent's own sampling settings (``rollout.agents.<id>``); None: the rollout's."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    truncation: TruncationSettings | None = None
-
-
-@dataclass(frozen=True)
 class RolloutSettings:
     """How one rollout samples; built from the config in one place
     (:mod:`atgrpo.training.settings`)."""
 
     num_generations: int  # K: branches per task and turn (tree), trajectories per task
     tree: bool
-    temperature: float | None  # None: greedy (evaluation), for every agent
-    top_k: int  # 0: off
-    top_p: float  # 1.0: off
-    max_new_tokens: dict[str, int]  # per agent
+    agents: Mapping[str, AgentSampling]  # every agent's own decoding and truncation
     alpha: float  # r = alpha * team + local_weight * local (advantage.mix_reward)
     local_weight: float
     # Credit each branch of an agent in workflow.defers_team with the team reward after the
     # next agent's response on it (docs/algorithm.md, "Team credit").
     lookahead: bool
-    truncation: TruncationSettings = field(default_factory=TruncationSettings)  # the default
-    per_agent: Mapping[str, AgentSampling] = field(default_factory=dict)  # overrides
     # Agents whose answers the env receives as "" (they still generate): how much the others
     # rely on them, in evaluation (eval.ablate).
     ablated: frozenset[str] = frozenset()
 
     def params(self, agent_id: str) -> SamplingParams:
-        """How ``agent_id`` samples: its own settings where it has them, else the rollout's."""
-        own = self.per_agent.get(agent_id, AgentSampling())
-        if self.temperature is None:  # greedy: top-k and top-p are ignored
-            return SamplingParams(self.max_new_tokens[agent_id], None, self.top_k, self.top_p)
-        return SamplingParams(
-            self.max_new_tokens[agent_id],
-            _given(own.temperature, self.temperature),
-            _given(own.top_k, self.top_k),
-            _given(own.top_p, self.top_p),
-        )
+        """How ``agent_id``'s responses are decoded."""
+        return self.agents[agent_id].params
 
     def truncation_of(self, agent_id: str) -> TruncationSettings:
-        own = self.per_agent.get(agent_id, AgentSampling())
-        return _given(own.truncation, self.truncation)
-
-
-_V = TypeVar("_V")
-
-
-def _given(own: _V | None, default: _V) -> _V:
-    return default if own is None else own
+        """What ``agent_id``'s responses cut at its token cap do to training."""
+        return self.agents[agent_id].truncation
 
 
 @dataclass

@@ -37,11 +37,10 @@ step).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +70,6 @@ from atgrpo.algo.scores import (
     output_layer,
     token_scores,
 )
-from atgrpo.algo.truncation import Truncation
 from atgrpo.algo.update_stats import Accumulator, Gap, gap, summary
 from atgrpo.algo.update_stats import UpdateStats as UpdateStats
 from atgrpo.models import autocast_for
@@ -128,10 +126,9 @@ class UpdateSettings:
     ratio_level: RatioLevel = RatioLevel.TOKEN  # sequence: GSPO
     norm_tokens: int = 0  # the constant aggregation's token budget per response
     agents: tuple[str, ...] = ()  # every agent the policy may act for: agent_token_mean's shares
-    # rollout.truncation, then its per-agent overrides: under MASK a response cut at
-    # max_new_tokens leaves the loss and its normalisers (TRL's mask_truncated_completions).
-    truncation: Truncation = Truncation.KEEP
-    truncation_per_agent: Mapping[str, Truncation] = dataclasses.field(default_factory=dict)
+    # The agents whose rollout.truncation is mask: a response of theirs cut at max_new_tokens
+    # is left out of the loss and of its normalisers.
+    masked: frozenset[str] = frozenset()
     # Rows x positions of logits at a time when the output layer turns the final hidden states
     # into log-probs (atgrpo.algo.scores); each chunk's logits are recomputed in backward.
     logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS
@@ -336,8 +333,7 @@ def _optimizer_step(
 
 def _masked(sample: Sample, settings: UpdateSettings) -> bool:
     """A response cut at max_new_tokens whose agent's ``rollout.truncation`` is mask."""
-    mode = settings.truncation_per_agent.get(sample.agent_id, settings.truncation)
-    return sample.truncated and mode is Truncation.MASK
+    return sample.truncated and sample.agent_id in settings.masked
 
 
 def _temperature(r: Responses, settings: UpdateSettings) -> torch.Tensor:  # (B, 1, 1)

@@ -1,11 +1,30 @@
 """Rollout engines: the :class:`Generator` protocol and its backends.
 
+The names resolve on first use, so the contract (:mod:`atgrpo.generation.base`) imports without
+torch: the config builds each agent's :class:`SamplingParams` as it loads.
 :class:`VLLMGenerator` needs the optional ``vllm`` extra only when an engine is started.
 """
 
-from atgrpo.generation.base import Generation, Generator, SamplingParams
-from atgrpo.generation.hf import HFGenerator, decode_path
-from atgrpo.generation.vllm import VLLMEngine, VLLMGenerator, VLLMSettings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "Generation": "atgrpo.generation.base",
+    "Generator": "atgrpo.generation.base",
+    "SamplingParams": "atgrpo.generation.base",
+    "HFGenerator": "atgrpo.generation.hf",
+    "decode_path": "atgrpo.generation.hf",
+    "VLLMEngine": "atgrpo.generation.vllm",
+    "VLLMGenerator": "atgrpo.generation.vllm",
+    "VLLMSettings": "atgrpo.generation.vllm",
+}
+
+if TYPE_CHECKING:
+    from atgrpo.generation.base import Generation, Generator, SamplingParams
+    from atgrpo.generation.hf import HFGenerator, decode_path
+    from atgrpo.generation.vllm import VLLMEngine, VLLMGenerator, VLLMSettings
 
 __all__ = [
     "Generation",
@@ -17,3 +36,16 @@ __all__ = [
     "VLLMSettings",
     "decode_path",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'atgrpo.generation' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

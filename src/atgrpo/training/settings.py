@@ -7,47 +7,31 @@ read them from there, so a setting means the same in each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from atgrpo.algo.advantage import AdvantageSettings, Grouping
 from atgrpo.algo.filtering import FilterSettings
-from atgrpo.algo.rollout import AgentSampling, RolloutSettings
-from atgrpo.algo.truncation import TruncationSettings
+from atgrpo.algo.rollout import RolloutSettings
+from atgrpo.algo.sampling import AgentSampling
+from atgrpo.algo.truncation import Truncation
 from atgrpo.algo.update import UpdateSettings
-from atgrpo.config import AgentRollout, Config, Sampling, TeamCredit
-
-
-def _max_new_tokens(cfg: Config, agents: tuple[str, ...], default: int) -> dict[str, int]:
-    """Each agent's own cap (``rollout.agents.<id>`` or its older spelling), else ``default``."""
-    return {a: cfg.rollout.max_new_tokens_override(a) or default for a in agents}
-
-
-def _train_sampling(agent: AgentRollout) -> AgentSampling:
-    """One agent's sampling and truncation settings in a training rollout."""
-    truncation = TruncationSettings(
-        agent.truncation, agent.overlong_buffer, agent.overlong_penalty_factor
-    )
-    return AgentSampling(agent.temperature, agent.top_k, agent.top_p, truncation)
+from atgrpo.config import Config, Sampling, TeamCredit
 
 
 def train_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettings:
     """A training rollout: K branches (tree) or K trajectories (independent), sampled, each agent
     with its own settings (``rollout.agents``)."""
     cfg.check_agent_ids(agents)
-    r, algo = cfg.rollout, cfg.algo
+    algo = cfg.algo
     return RolloutSettings(
-        num_generations=r.num_generations,
-        tree=r.sampling is Sampling.TREE,
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        max_new_tokens=_max_new_tokens(cfg, agents, r.max_new_tokens),
+        num_generations=cfg.rollout.num_generations,
+        tree=cfg.rollout.sampling is Sampling.TREE,
+        agents={a: cfg.rollout.agent(a) for a in agents},
         alpha=algo.alpha,
         local_weight=algo.local_weight,
         # A trajectory's return already holds the team outcome its actions led to.
         lookahead=algo.team_credit is TeamCredit.LOOKAHEAD
         and algo.grouping is not Grouping.TRAJECTORY,
-        per_agent={a: _train_sampling(r.agent(a)) for a in agents},
     )
 
 
@@ -57,26 +41,24 @@ def eval_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettin
     cut responses kept (nothing is trained)."""
     cfg.check_agent_ids(agents)
     n = cfg.eval.samples_per_task
-    sampled = n > 1
-    per_agent = {
-        a: AgentSampling(cfg.eval.temperature or own.temperature, own.top_k, own.top_p)
-        for a, own in ((a, cfg.rollout.agent(a)) for a in agents)
-    }
     return RolloutSettings(
         num_generations=n,
-        tree=not sampled,  # n = 1: one greedy branch; n > 1: n independent sampled episodes
-        temperature=(cfg.eval.temperature or cfg.rollout.temperature) if sampled else None,
-        top_k=cfg.rollout.top_k,  # ignored when greedy
-        top_p=cfg.rollout.top_p,
-        max_new_tokens=_max_new_tokens(
-            cfg, agents, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-        ),
+        tree=n == 1,  # n = 1: one greedy branch; n > 1: n independent sampled episodes
+        agents={a: _held_out(cfg, a, sampled=n > 1) for a in agents},
         alpha=cfg.algo.alpha,
         local_weight=cfg.algo.local_weight,
         lookahead=False,  # nothing is trained on held-out rewards
-        per_agent=per_agent if sampled else {},
         ablated=frozenset(cfg.eval.ablate),
     )
+
+
+def _held_out(cfg: Config, agent: str, sampled: bool) -> AgentSampling:
+    """``agent``'s training sampling as evaluation changes it: its own token cap, else
+    ``eval.max_new_tokens``; ``eval.temperature`` over its own when sampled, greedy when not;
+    cut responses kept."""
+    params = cfg.rollout.agent(agent, cap=cfg.eval.max_new_tokens).params
+    temperature = (cfg.eval.temperature or params.temperature) if sampled else None
+    return AgentSampling(replace(params, temperature=temperature))
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
@@ -126,10 +108,9 @@ def update_settings(cfg: Config, agents: tuple[str, ...] = ()) -> UpdateSettings
         ratio_level=algo.ratio_level,
         norm_tokens=algo.loss_norm_tokens or cfg.rollout.max_new_tokens,
         agents=agents,
-        truncation=cfg.rollout.truncation,
-        truncation_per_agent={
-            a: own.truncation for a, own in cfg.rollout.agents.items() if own.truncation is not None
-        },
+        masked=frozenset(
+            a for a in agents if cfg.rollout.agent(a).truncation.mode is Truncation.MASK
+        ),
     )
 
 
