@@ -36,7 +36,7 @@ $(VENV)/.data: $(VENV)/.base
 	touch $@
 
 $(VENV)/.test: $(VENV)/.data pyproject.toml
-	$(PIP) install -e ".[test,code,math,wandb]"
+	$(PIP) install -e ".[test,code,math,textarena,wandb]"
 	touch $@
 
 # Train the two-agent arithmetic team (a tool agent and a reasoner) on the embedded

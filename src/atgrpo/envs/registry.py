@@ -45,6 +45,7 @@ from atgrpo.envs.math import MathEnv
 from atgrpo.envs.plan_path import PlanPathEnv
 from atgrpo.envs.sokoban import SokobanEnv
 from atgrpo.envs.sudoku import SudokuEnv
+from atgrpo.envs.textarena import TextArenaEnv  # imports textarena only when one is configured
 
 DEFAULT_ENV = "plan_path"  # the family of an env section that names none
 PLUGIN_TAG = "plugin"  # the union's tag of every env that is not built in
@@ -100,7 +101,8 @@ def _family_of(env_class: type) -> EnvFamily:
 
 # The built-in env families, in the order of docs/config.md; the only list of them.
 BUILTIN_ENVS: tuple[EnvFamily, ...] = tuple(
-    _family_of(cls) for cls in (PlanPathEnv, SokobanEnv, SudokuEnv, CodeEnv, MathEnv, DatasetEnv)
+    _family_of(cls)
+    for cls in (PlanPathEnv, SokobanEnv, SudokuEnv, CodeEnv, MathEnv, DatasetEnv, TextArenaEnv)
 )
 # Name -> family: the built-in ones and those of register_env.
 ENV_REGISTRY: dict[str, EnvFamily] = {family.name: family for family in BUILTIN_ENVS}

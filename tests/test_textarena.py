@@ -1,0 +1,192 @@
+"""TextArena games as envs: copies that share nothing, seeds, rewards, invalid moves, load-time
+errors, the opponents' rules and check_env on every game docs/textarena.md names."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("textarena")
+
+from atgrpo.config import ConfigError, load_config
+from atgrpo.envs import check_env, make_env
+from atgrpo.envs.textarena import TextArenaEnv
+from atgrpo.envs.textarena_opponents import (
+    RandomOpponent,
+    RuleOpponent,
+    fixed_opponent,
+    legal_moves,
+)
+
+NAMED_GAMES = ("KuhnPoker-v0", "TicTacToe-v0", "SimpleNegotiation-v0", "LiarsDice-v0")
+
+
+def _env(game: str = "KuhnPoker-v0", *overrides: str) -> TextArenaEnv:
+    cfg = load_config(None, ["env.name=textarena", f"env.game={game}", *overrides])
+    env = make_env(cfg.env)
+    assert isinstance(env, TextArenaEnv)
+    return env
+
+
+def _view(env: TextArenaEnv) -> str:
+    """Everything a copy must not change: prompts, turn, and the game's own state."""
+    prompts = [env.observe(a) for a in env.possible_agents] if not env.done else None
+    state = env.game.state
+    return json.dumps(
+        [prompts, env.agent_selection, env.turn_idx, state.game_state, state.logs], default=repr
+    )
+
+
+def test_branches_of_one_turn_never_share_game_state() -> None:
+    env = _env("KuhnPoker-v0", "env.game_kwargs={max_rounds: 3}")
+    env.reset(seed=7)
+    before = _view(env)
+    branch, sibling = env.clone(), env.clone()
+    assert branch.game is not env.game and branch.game.state is not env.game.state
+    branch.step("[bet]")
+    branch.step("[fold]")  # ends the round: the next round's deal draws from the branch's RNG
+    assert _view(env) == before and _view(sibling) == before
+    assert branch.game.state.game_state["current_round"] == 2
+    # The sibling, stepped alike after the interpreter's random was used in between, deals the
+    # branch's next cards: each copy draws from its own RNG state, not from the global one.
+    random.random()
+    sibling.step("[bet]")
+    sibling.step("[fold]")
+    assert (
+        sibling.game.state.game_state["player_cards"]
+        == (branch.game.state.game_state["player_cards"])
+    )
+
+
+def test_the_same_seed_gives_the_same_game_and_splits_differ() -> None:
+    a, b = _env("LiarsDice-v0"), _env("LiarsDice-v0")
+    a.reset(seed=3)
+    random.seed(12345)  # the global RNG's state does not matter
+    b.reset(seed=3)
+    assert _view(a) == _view(b)
+    for env in (a, b):
+        env.step("[Bid: 2, 3]")
+        env.step("[Call]")
+    assert _view(a) == _view(b)
+    b.reset(seed=3, options={"split": "test"})
+    assert a.instance_key != b.instance_key
+    assert a.game.state.game_state["dice_rolls"] != b.game.state.game_state["dice_rolls"]
+
+
+def test_a_deciding_move_is_scored_by_the_outcome_and_others_by_playouts() -> None:
+    env = _env("KuhnPoker-v0", "env.game_kwargs={max_rounds: 1}")
+    env.reset(seed=1)
+    opener = env.agent_selection
+    bet = env.clone().step("[bet]")
+    assert bet.valid and bet.local_reward == 0.0 and -1.0 <= bet.team_reward <= 1.0
+    assert env.clone().step("[bet]").team_reward == bet.team_reward  # deterministic
+    folded = env.clone()
+    folded.step("[bet]")
+    fold = folded.step("[fold]")
+    assert folded.done and folded.success
+    assert fold.team_reward == -1.0 and fold.info["outcome"][opener] == 1.0
+    none = _env("KuhnPoker-v0", "env.game_kwargs={max_rounds: 1}", "env.playouts=0")
+    none.reset(seed=1)
+    assert none.step("[bet]").team_reward == 0.0
+
+
+def test_invalid_moves_follow_the_games_rule_and_are_recorded() -> None:
+    env = _env("TicTacToe-v0", "env.invalid_move_penalty=0.5")
+    env.reset(seed=0)
+    mover = env.agent_selection
+    first = env.step("I think the centre")  # TextArena: one retry, then the move loses
+    assert not first.valid and first.local_reward == -0.5 and first.info["invalid_move"]
+    assert env.agent_selection == mover and not env.done
+    second = env.step("[42]")
+    assert not second.valid and env.done and not env.success
+    assert second.team_reward == -1.0 and env.outcome is not None and env.outcome[mover] == -1.0
+
+
+@pytest.mark.parametrize("game", NAMED_GAMES)
+def test_check_env_passes_on_every_named_game(game: str) -> None:
+    env = _env(game, "env.playouts=2")
+    check_env(env, seeds=(0, 1), factory=lambda: _env(game, "env.playouts=2"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["env.game=KuhnPoker-v9"], "not a TextArena env id (did you mean 'KuhnPoker-v0'?)"),
+        (["env.players=[a, b, c]"], "cannot be played by 3 player(s)"),
+        (["env.game_kwargs={rounds: 2}"], "env.game_kwargs do not fit 'KuhnPoker-v0'"),
+        (["env.players=[a, a]"], "names an agent twice"),
+    ],
+)
+def test_a_bad_game_section_is_one_line_at_load_time(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["env.name=textarena", *overrides])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _kuhn(seed: int, card: int) -> TextArenaEnv:
+    env = _env("KuhnPoker-v0", "env.game_kwargs={max_rounds: 1}")
+    env.reset(seed=seed)
+    env.game.state.game_state["player_cards"][env.game.state.current_player_id] = card
+    return env
+
+
+def test_the_kuhn_rule_bets_and_calls_a_king_and_folds_a_jack_to_a_bet() -> None:
+    rule, rng = RuleOpponent(), random.Random(0)
+    for seed in range(4):
+        opener = _kuhn(seed, 2)
+        pid = opener.game.state.current_player_id
+        assert rule.move(opener.game, pid, rng) == "[bet]"  # K opens with a bet
+        assert rule.move(_kuhn(seed, 1).game, pid, rng) == "[check]"  # Q checks
+        facing = _kuhn(seed, 2)
+        facing.step("[bet]")
+        other = facing.game.state.current_player_id
+        facing.game.state.game_state["player_cards"][other] = 2
+        assert rule.move(facing.game, other, rng) == "[call]"  # K calls
+        facing.game.state.game_state["player_cards"][other] = 0
+        assert rule.move(facing.game, other, rng) == "[fold]"  # J folds
+    jacks = [_kuhn(0, 0) for _ in range(300)]
+    bluffs = sum(rule.move(e.game, e.game.state.current_player_id, rng) == "[bet]" for e in jacks)
+    assert 70 <= bluffs <= 130  # a J bluffs one time in three
+
+
+def test_the_tictactoe_rule_wins_then_blocks() -> None:
+    env = _env("TicTacToe-v0")
+    env.reset(seed=0)
+    pid = env.game.state.current_player_id
+    mine, theirs = ("X", "O") if pid == 1 else ("O", "X")
+    board = env.game.state.game_state["board"]
+    board[0][0], board[0][1] = theirs, theirs  # they threaten 2
+    board[2][0], board[2][1] = mine, mine  # we can win at 8
+    assert RuleOpponent().move(env.game, pid, random.Random(0)) == "[8]"
+    board[2][1] = ""
+    assert RuleOpponent().move(env.game, pid, random.Random(0)) == "[2]"
+
+
+def test_the_random_opponent_plays_only_legal_moves() -> None:
+    for game in NAMED_GAMES:
+        env = _env(game, "env.playouts=0")
+        env.reset(seed=0)
+        env.set_opponents({env.possible_agents[1]: RandomOpponent()})
+        rng = random.Random(0)
+        while not env.done:
+            pid = env.game.state.current_player_id
+            assert not env.step(rng.choice(legal_moves(env.game, pid) or [""])).info["invalid_move"]
+        assert env.success, game
+    with pytest.raises(ValueError, match="no rule-based opponent for LiarsDiceEnv"):
+        fixed_opponent("rule", _started("LiarsDice-v0").game)
+
+
+def _started(game: str) -> TextArenaEnv:
+    env = _env(game)
+    env.reset(seed=0)
+    return env
+
+
+def test_importing_atgrpo_envs_does_not_import_textarena() -> None:
+    probe = "import sys, atgrpo.envs; print('textarena' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
