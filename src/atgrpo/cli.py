@@ -2,7 +2,7 @@
 
 atgrpo train CONFIG [key=value ...] [--resume | --resume-from STEP] [--force]
 atgrpo eval CONFIG [--checkpoint DIR] [--split test] [--num-tasks N] [--swap A,B] [--force]
-            [key=value ...]
+            [--opponent random|rule|base|RUN] [key=value ...]
 atgrpo compare FILE [--train | --status] [--output-dir DIR] [--num-tasks N]   the methods table
 atgrpo models prepare [--force]
 atgrpo config CONFIG [key=value ...]        print the resolved config
@@ -297,6 +297,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         check_checkpoint_config(cfg, checkpoint, args.force)
     seed_everything(cfg.run.seed)
+    if args.opponent:
+        return _eval_matches(cfg, checkpoint, args)
     rt = build_runtime(cfg, checkpoint, "evaluation")  # in the precision the run trained in
     try:
         report = rt.evaluate(Split(args.split), cfg.eval.num_tasks)
@@ -309,6 +311,46 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if out != path:
         console.print(f"{escape(path.name)} holds an evaluation of another config: kept")
     console.print(f"per-task results: {escape(str(out))}")
+    return 0
+
+
+def _eval_matches(cfg: Any, checkpoint: Path | None, args: argparse.Namespace) -> int:
+    """``atgrpo eval --opponent``: each policy in each seat of a game against the opponent."""
+    from atgrpo.envs import Split
+    from atgrpo.training.evaluation import eval_json_path, measured
+    from atgrpo.experiments.matches import (
+        SeatResult,
+        build_opponent,
+        seats_report,
+        write_matches_json,
+    )
+    from atgrpo.training.runtime import build_runtime
+
+    opponent = build_opponent(cfg, args.opponent)
+    rt = build_runtime(cfg, checkpoint, "evaluation")
+    split = Split(args.split)
+    title = f"{checkpoint or cfg.model.path} vs {args.opponent}"
+    console.print(f"[bold]{escape(title)}[/] ({cfg.eval.num_tasks} {split.value} games a seat)")
+
+    def show(r: SeatResult) -> None:
+        low, high = r.interval
+        console.print(
+            f"  {escape(r.policy)} as {escape(r.seat)}: win {r.win_rate:.1%} "
+            f"[{100 * low:.1f}, {100 * high:.1f}]  ({r.wins} won, {r.draws} drawn, "
+            f"{r.losses} lost; {r.invalid_moves} invalid of {r.moves} moves)"
+        )
+
+    try:
+        results = seats_report(rt, opponent, split, cfg.eval.num_tasks, show)
+    finally:
+        rt.close()
+        if opponent.runtime is not None:
+            opponent.runtime.close()
+    name = Path(args.opponent).name if args.opponent not in ("random", "rule", "base") else None
+    suffix = f"-vs-{name or args.opponent}"
+    path = eval_json_path(split.value, checkpoint, cfg.run_dir, suffix)
+    write_matches_json(results, path, args.opponent, split, measured(cfg, checkpoint))
+    console.print(f"per-seat results: {escape(str(path))}")
     return 0
 
 
@@ -669,6 +711,13 @@ def _add_eval(sub: _Commands) -> None:
         "--force",
         action="store_true",
         help="evaluate a checkpoint even when the config names another env, model or policies",
+    )
+    p.add_argument(
+        "--opponent",
+        metavar="KIND",
+        help="a game (env.name: textarena): play each policy in each seat against random (legal "
+        "moves), rule (the game's fixed rule), base (the untrained models) or a run folder; "
+        "prints win rates with 95%% intervals (docs/textarena.md)",
     )
     p.set_defaults(func=cmd_eval)
 
