@@ -40,13 +40,12 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from atgrpo.algo import prefix
 from atgrpo.algo.collate import Batch as Batch
 from atgrpo.algo.collate import Responses as Responses
 from atgrpo.algo.collate import collate as collate
@@ -62,8 +61,9 @@ from atgrpo.algo.loss import (
     truncated_is_weights,
 )
 from atgrpo.algo.minibatch import Shard, TrainerLogprobs, mini_batches, shards
+from atgrpo.algo.passes import DataParallel as DataParallel
+from atgrpo.algo.passes import full_rows, rows_of, shared_passes, unshared_passes
 from atgrpo.algo.policy import Policy
-from atgrpo.algo.prefix import by_prompt, run_prompts
 from atgrpo.algo.records import Sample
 from atgrpo.algo.scores import (
     Scores,
@@ -73,29 +73,6 @@ from atgrpo.algo.scores import (
 from atgrpo.algo.update_stats import Accumulator, Gap, gap, summary
 from atgrpo.algo.update_stats import UpdateStats as UpdateStats
 from atgrpo.models import autocast_for
-
-AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the data-parallel ranks, in place
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """This rank's place in its policy's data-parallel worker group."""
-
-    all_reduce: AllReduce
-    rank: int
-    size: int
-    sharded: bool = False  # FSDP2: gradients arrive reduce-scattered; ranks run in step
-
-    def max(self, value: int) -> int:
-        """The largest ``value`` over the ranks."""
-        return int(max(self.gather(float(value))))
-
-    def gather(self, value: float) -> list[float]:
-        """Every rank's ``value``, by rank (a sum of one-hot slots: the group sums only)."""
-        slots = torch.zeros(self.size, dtype=torch.float64)
-        slots[self.rank] = value
-        self.all_reduce(slots)
-        return slots.tolist()
 
 
 @dataclass(frozen=True)
@@ -359,12 +336,6 @@ def _computed(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
     return [s for s in samples if s.advantage != 0.0]
 
 
-def _micro_batches(samples: list[Sample], size: int) -> list[list[Sample]]:
-    # Similar lengths share a micro-batch: less padding, same result.
-    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))
-    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
-
-
 @dataclass(frozen=True)
 class _Divisors:
     num_tokens: int  # every response token of the batch (all ranks)
@@ -389,7 +360,9 @@ def _backward_unshared(
     """Micro-batches of whole sequences, each prompt left-padded and recomputed. The ranks of a
     sharded group run the group's largest number of micro-batches (module docstring)."""
     in_step = parallel is not None and parallel.sharded
-    for chunk, batch, real in _unshared_passes(policy, computed, settings, parallel):
+    for chunk, batch, real in unshared_passes(
+        policy, computed, settings.micro_batch_size, parallel
+    ):
         states = response_states(policy.model, batch, policy.autocast_dtype)  # (B, R, H)
         old = olds.get(chunk, batch.input_ids.device) if real else None
         rows = norm.rows(chunk) if real and _per_agent(settings) else None
@@ -399,7 +372,7 @@ def _backward_unshared(
             batch.responses,
             settings,
             norm,
-            full_rows=_rows_of(batch),
+            full_rows=rows_of(batch),
             old_trainer=old,
             rows=rows,
         )
@@ -424,51 +397,14 @@ def _record_old_logprobs(
     run the same number of forwards (FSDP2 gathers weights in each)."""
     model, dtype = policy.model, policy.autocast_dtype
     if settings.share_prefix and not (parallel is not None and parallel.sharded):
-        for _, chunk, r, states, _ in _shared_passes(policy, samples, settings):
+        for _, chunk, r, states, _ in shared_passes(policy, samples, settings.micro_batch_size):
             olds.record(chunk, response_scores(model, states, r, settings, dtype).logprobs)
         return
-    for chunk, batch, real in _unshared_passes(policy, samples, settings, parallel):
+    for chunk, batch, real in unshared_passes(policy, samples, settings.micro_batch_size, parallel):
         if real:
             olds.record(chunk, _logprobs(model, batch, settings, dtype))
         else:  # a placeholder's forward: the sharded ranks gather weights in step
             response_states(model, batch, dtype)
-
-
-def _unshared_passes(
-    policy: Policy, samples: list[Sample], settings: UpdateSettings, parallel: DataParallel | None
-) -> Iterator[tuple[list[Sample], Batch, bool]]:
-    """Micro-batches of whole sequences, collated on the model's device: (chunk, batch, real).
-    The ranks of a sharded group run the group's largest number of passes (FSDP2 gathers
-    weights in each); a rank out of samples runs placeholders (``real`` False)."""
-    device = next(policy.model.parameters()).device
-    pad_id = policy.tokenizer.pad_token_id
-    chunks = _micro_batches(samples, settings.micro_batch_size)
-    sharded = parallel is not None and parallel.sharded
-    passes = parallel.max(len(chunks)) if parallel is not None and sharded else len(chunks)
-    for i in range(passes):
-        real = i < len(chunks)
-        chunk = chunks[i] if real else [_placeholder(policy)]
-        yield chunk, collate(chunk, pad_id).to(device), real
-
-
-def _placeholder(policy: Policy) -> Sample:
-    """A one-token sample of advantage 0: a pass that moves nothing."""
-    pad = policy.tokenizer.pad_token_id
-    return Sample(
-        task_id=0,
-        seed=0,
-        agent_id="",
-        turn_idx=0,
-        branch_idx=0,
-        policy_id=policy.policy_id,
-        prompt_ids=[pad],
-        response_ids=[pad],
-        logprobs=[0.0],
-        team_reward=0.0,
-        local_reward=0.0,
-        reward=0.0,
-        valid=False,
-    )
 
 
 def _backward_shared(
@@ -484,45 +420,28 @@ def _backward_shared(
     graph back-propagated after their last responses."""
     device = next(policy.model.parameters()).device
     pad_id = policy.tokenizer.pad_token_id
-    for prompts, chunk, r, states, last in _shared_passes(policy, computed, settings):
+    for prompts, chunk, r, states, last in shared_passes(
+        policy, computed, settings.micro_batch_size
+    ):
         # The full rows (prompt + response) are built only for a KL reference.
-        full_rows = functools.partial(_full_rows, chunk, pad_id, device)
+        rows_on_demand = functools.partial(full_rows, chunk, pad_id, device)
         old = olds.get(chunk, device)
         weights = norm.rows(chunk) if _per_agent(settings) else None
         result = _loss(
-            policy, states, r, settings, norm, full_rows=full_rows, old_trainer=old, rows=weights
+            policy,
+            states,
+            r,
+            settings,
+            norm,
+            full_rows=rows_on_demand,
+            old_trainer=old,
+            rows=weights,
         )
         olds.record(chunk, result.trainer)
         if not _backward(result, acc):
             return
         if last:
             prompts.backward()
-
-
-def _shared_passes(
-    policy: Policy, samples: list[Sample], settings: UpdateSettings
-) -> Iterator[tuple[prefix.SharedPrompts, list[Sample], Responses, torch.Tensor, bool]]:
-    """Up to a micro-batch of distinct prompts in one forward, then their responses' final
-    hidden states (m, R, H) in micro-batches over the prompts' cache: (prompts, chunk,
-    responses, states, whether the chunk is those prompts' last)."""
-    device = next(policy.model.parameters()).device
-    pad_id = policy.tokenizer.pad_token_id
-    groups = by_prompt(samples)
-    size = settings.micro_batch_size
-    for first in range(0, len(groups), size):
-        batch = groups[first : first + size]
-        prompts = run_prompts(
-            policy.model, [g[0].prompt_ids for g in batch], pad_id, policy.autocast_dtype
-        )
-        members = [(row, s) for row, same in enumerate(batch) for s in same]
-        for start in range(0, len(members), size):
-            rows = torch.tensor([row for row, _ in members[start : start + size]], device=device)
-            chunk = [s for _, s in members[start : start + size]]
-            r = collate_responses(chunk, pad_id).to(device)
-            states = prefix.response_states_on_prompts(
-                policy.model, prompts, rows, r.targets, r.mask, policy.autocast_dtype
-            )
-            yield prompts, chunk, r, states, start + size >= len(members)
 
 
 def _backward(result: _MicroLoss, acc: Accumulator, always: bool = False) -> bool:
@@ -541,14 +460,6 @@ def _backward(result: _MicroLoss, acc: Accumulator, always: bool = False) -> boo
 
 def _per_agent(settings: UpdateSettings) -> bool:
     return settings.aggregation is LossAggregation.AGENT_TOKEN_MEAN
-
-
-def _rows_of(batch: Batch) -> Callable[[], Batch]:
-    return lambda: batch
-
-
-def _full_rows(chunk: list[Sample], pad_id: int, device: torch.device) -> Batch:
-    return collate(chunk, pad_id).to(device)
 
 
 @dataclass(frozen=True)
