@@ -162,9 +162,9 @@ def peak_rss_mib() -> float:
 def build_prompts(tokenizer: Any) -> list[list[int]]:
     """NUM_PROMPTS distinct chat prompts: the instruction text, grown word by word until the
     templated prompt has PROMPT_TOKENS tokens or more, then the task."""
-    from atgrpo.policies import make_encoder
+    from atgrpo.prompts import PromptEncoder
 
-    encode = make_encoder(tokenizer, 4096)
+    encode = PromptEncoder(tokenizer, 4096)
     words = " ".join(INSTRUCTION * 10).split()
     prompts = []
     for a, b in TASKS[:NUM_PROMPTS]:

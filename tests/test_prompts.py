@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from atgrpo.models import build_tiny_tokenizer
-from atgrpo.policies import make_encoder
 from atgrpo.prompts import PromptEncoder, PromptTooLongError, split_history
 
 SYSTEM = {"role": "system", "content": "You walk a grid maze to the goal G."}
@@ -52,7 +51,7 @@ def decoded(tokenizer: Any, ids: list[int]) -> str:
 def test_a_prompt_under_the_limit_is_the_plain_chat_template(tokenizer: Any, primed: bool) -> None:
     messages = [SYSTEM, TASK, *history(2), NOW, *([PRIMED] if primed else [])]
     expected = plain_ids(tokenizer, messages)
-    encoder = make_encoder(tokenizer, len(expected))  # exactly at the limit: nothing dropped
+    encoder = PromptEncoder(tokenizer, len(expected))  # exactly at the limit: nothing dropped
     assert isinstance(encoder, PromptEncoder)
     assert encoder(messages) == expected
     assert encoder.truncated == 0

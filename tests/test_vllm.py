@@ -32,7 +32,8 @@ from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.generation import Generation, SamplingParams, VLLMEngine, VLLMGenerator
 from atgrpo.generation.sampler import process_logits
 from atgrpo.models import resolve_model_path
-from atgrpo.policies import build_generators, build_policies, make_encoder, vllm_settings
+from atgrpo.policies import build_generators, build_policies, vllm_settings
+from atgrpo.prompts import PromptEncoder
 from conftest import REPO
 from helpers import UPDATE_DEFAULTS, adv_settings, rollout_settings
 
@@ -202,7 +203,7 @@ def test_first_update_on_vllm_rollouts_has_ratio_one(shared) -> None:
                 seeds,
                 generators={"shared": gen},
                 policy_of=dict.fromkeys(max_new, "shared"),
-                encode={"shared": make_encoder(policy.tokenizer, 2048)},
+                encode={"shared": PromptEncoder(policy.tokenizer, 2048)},
                 settings=rs,
                 pool=pool,
             )

@@ -63,7 +63,6 @@ from atgrpo.models import (
     resolve_model_path,
     retain_freed_memory,
 )
-from atgrpo.prompts import PromptEncoder
 
 __all__ = [
     "SHARED_POLICY",
@@ -74,7 +73,6 @@ __all__ = [
     "build_policy",
     "decode_path",
     "describe_regime",
-    "make_encoder",
     "resolve_routing",
     "route_samples",
     "shared_routing",
@@ -532,13 +530,3 @@ def build_policies(cfg: Config, weights: Mapping[str, Path] | None = None) -> di
         else:
             built.update(build_lora_policies(cfg, bases[cfg.lora_base(pid)], weights))
     return {pid: built[pid] for pid in cfg.policies}
-
-
-def make_encoder(tokenizer: Any, max_prompt_tokens: int) -> PromptEncoder:
-    """messages -> prompt token ids with the model's chat template (:mod:`atgrpo.prompts`).
-
-    A prompt over ``max_prompt_tokens`` drops its oldest history messages first and keeps the
-    system prompt, the task and the current turn; one still too long raises
-    :class:`~atgrpo.prompts.PromptTooLongError`.
-    """
-    return PromptEncoder(tokenizer, max_prompt_tokens)

@@ -258,7 +258,7 @@ class TurnBasedEnv(Generic[InstanceT]):
             raise ValueError(f"unknown agent {agent_id!r}; agents: {list(self.possible_agents)}")
         messages = self._prompt(agent_id)
         if prefix := self.answer_prefix(agent_id):
-            # A final assistant message is continued by the model (see policies.make_encoder).
+            # A final assistant message is continued by the model (see prompts.PromptEncoder).
             messages.append({"role": "assistant", "content": prefix})
         return messages
 

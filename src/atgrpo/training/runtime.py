@@ -32,7 +32,6 @@ from atgrpo.policies import (
     Policy,
     build_generators,
     build_policies,
-    make_encoder,
     resolve_routing,
     resolved_precision,
 )
@@ -128,8 +127,7 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None, action: str = "re
     """
     agents = make_env(cfg.env).possible_agents
     policy_of = resolve_routing(cfg, agents)
-    cfg.check_agent_ids(agents)  # before any model is loaded
-    settings = run_settings(cfg, agents)
+    settings = run_settings(cfg, agents)  # checks the agents named in the config
     weights = ckpt.policy_dirs(checkpoint, list(cfg.policies)) if checkpoint else None
     precision = run_precision(cfg, checkpoint, action)
     built = cfg.model_copy(update={"model": cfg.model.model_copy(update={"precision": precision})})
@@ -162,7 +160,8 @@ def build_runtime(cfg: Config, checkpoint: Path | None = None, action: str = "re
         generators=generators,
         policy_of=policy_of,
         encode={
-            pid: make_encoder(tok, cfg.rollout.max_prompt_tokens) for pid, tok in tokenizers.items()
+            pid: PromptEncoder(tok, cfg.rollout.max_prompt_tokens)
+            for pid, tok in tokenizers.items()
         },
         stepper=stepper,
         settings=settings,

@@ -7,6 +7,7 @@ read them from there, so a setting means the same in each.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from atgrpo.algo.advantage import AdvantageSettings, Grouping
@@ -17,16 +18,30 @@ from atgrpo.algo.truncation import Truncation
 from atgrpo.algo.update import UpdateSettings
 from atgrpo.config import Config, Sampling, TeamCredit
 
+PerAgent = Mapping[str, AgentSampling]  # agent id -> its sampling, resolved by the config
+
 
 def train_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettings:
     """A training rollout: K branches (tree) or K trajectories (independent), sampled, each agent
     with its own settings (``rollout.agents``)."""
     cfg.check_agent_ids(agents)
+    return _train_rollout(cfg, {a: cfg.rollout.agent(a) for a in agents})
+
+
+def eval_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettings:
+    """A held-out rollout: greedy (n = 1) or n independent episodes sampled per task, each agent
+    with its own top-k / top-p and temperature (``eval.temperature`` over every agent's), its
+    cut responses kept (nothing is trained)."""
+    cfg.check_agent_ids(agents)
+    return _eval_rollout(cfg, {a: cfg.rollout.agent(a, cfg.eval.max_new_tokens) for a in agents})
+
+
+def _train_rollout(cfg: Config, sampling: PerAgent) -> RolloutSettings:
     algo = cfg.algo
     return RolloutSettings(
         num_generations=cfg.rollout.num_generations,
         tree=cfg.rollout.sampling is Sampling.TREE,
-        agents={a: cfg.rollout.agent(a) for a in agents},
+        agents=sampling,
         alpha=algo.alpha,
         local_weight=algo.local_weight,
         # A trajectory's return already holds the team outcome its actions led to.
@@ -35,30 +50,26 @@ def train_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSetti
     )
 
 
-def eval_rollout_settings(cfg: Config, agents: tuple[str, ...]) -> RolloutSettings:
-    """A held-out rollout: greedy (n = 1) or n independent episodes sampled per task, each agent
-    with its own top-k / top-p and temperature (``eval.temperature`` over every agent's), its
-    cut responses kept (nothing is trained)."""
-    cfg.check_agent_ids(agents)
+def _eval_rollout(cfg: Config, sampling: PerAgent) -> RolloutSettings:
+    """``sampling``: each agent's with ``eval.max_new_tokens`` under its own cap; greedy when
+    n = 1, else at ``eval.temperature`` over its own; cut responses kept."""
     n = cfg.eval.samples_per_task
+    temperature = {
+        a: (cfg.eval.temperature or own.params.temperature) if n > 1 else None
+        for a, own in sampling.items()
+    }
     return RolloutSettings(
         num_generations=n,
         tree=n == 1,  # n = 1: one greedy branch; n > 1: n independent sampled episodes
-        agents={a: _held_out(cfg, a, sampled=n > 1) for a in agents},
+        agents={
+            a: AgentSampling(replace(own.params, temperature=temperature[a]))
+            for a, own in sampling.items()
+        },
         alpha=cfg.algo.alpha,
         local_weight=cfg.algo.local_weight,
         lookahead=False,  # nothing is trained on held-out rewards
         ablated=frozenset(cfg.eval.ablate),
     )
-
-
-def _held_out(cfg: Config, agent: str, sampled: bool) -> AgentSampling:
-    """``agent``'s training sampling as evaluation changes it: its own token cap, else
-    ``eval.max_new_tokens``; ``eval.temperature`` over its own when sampled, greedy when not;
-    cut responses kept."""
-    params = cfg.rollout.agent(agent, cap=cfg.eval.max_new_tokens).params
-    temperature = (cfg.eval.temperature or params.temperature) if sampled else None
-    return AgentSampling(replace(params, temperature=temperature))
 
 
 def advantage_settings(cfg: Config) -> AdvantageSettings:
@@ -87,6 +98,10 @@ def filter_settings(cfg: Config, groups: AdvantageSettings | None = None) -> Fil
 def update_settings(cfg: Config, agents: tuple[str, ...] = ()) -> UpdateSettings:
     """``agents``: every agent of the env, so that agent_token_mean lays its per-agent counts out
     alike on every data-parallel rank (the training loop passes them)."""
+    return _update(cfg, {a: cfg.rollout.agent(a) for a in agents})
+
+
+def _update(cfg: Config, sampling: PerAgent) -> UpdateSettings:
     algo = cfg.algo
     return UpdateSettings(
         temperature=cfg.rollout.temperature,
@@ -107,9 +122,9 @@ def update_settings(cfg: Config, agents: tuple[str, ...] = ()) -> UpdateSettings
         dual_clip=algo.dual_clip,
         ratio_level=algo.ratio_level,
         norm_tokens=algo.loss_norm_tokens or cfg.rollout.max_new_tokens,
-        agents=agents,
+        agents=tuple(sorted(sampling)),
         masked=frozenset(
-            a for a in agents if cfg.rollout.agent(a).truncation.mode is Truncation.MASK
+            a for a, own in sampling.items() if own.truncation.mode is Truncation.MASK
         ),
     )
 
@@ -130,14 +145,18 @@ class RunSettings:
 
 def run_settings(cfg: Config, agents: tuple[str, ...]) -> RunSettings:
     """The records of :class:`RunSettings`; ``agents``: every agent of the env (the update lays
-    agent_token_mean's counts out by them, alike on every data-parallel rank)."""
+    agent_token_mean's counts out by them, alike on every data-parallel rank); the caller has
+    refuses a config that names other agents (:meth:`Config.check_agent_ids`)."""
+    cfg.check_agent_ids(agents)  # before any model is loaded
+    train = {a: cfg.rollout.agent(a) for a in agents}  # the config resolves each agent's, once
+    held_out = {a: cfg.rollout.agent(a, cfg.eval.max_new_tokens) for a in agents}
     advantage = advantage_settings(cfg)
     return RunSettings(
-        rollout=train_rollout_settings(cfg, agents),
-        eval=eval_rollout_settings(cfg, agents),
+        rollout=_train_rollout(cfg, train),
+        eval=_eval_rollout(cfg, held_out),
         advantage=advantage,
         filter=filter_settings(cfg, advantage),
-        update=update_settings(cfg, tuple(sorted(agents))),
+        update=_update(cfg, train),
         identical_prompts=cfg.algo.grouping is Grouping.AGENT_TURN
         and cfg.rollout.sampling is Sampling.TREE,
     )
