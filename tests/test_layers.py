@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("envs", "generation"),  # environments; rollout engines
     ("data", "adapters", "report"),  # dataset loaders; the LoRA folder; the HTML report
     ("models",),  # finding, preparing and loading models
-    ("sandbox", "parsing", "splits", "attention"),  # leaves
+    ("sandbox", "parsing", "splits", "attention", "lazy"),  # leaves
 )
 
 # (unit, a unit below it) -> the only modules of the second the first may import: algo/ sees the

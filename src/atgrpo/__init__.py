@@ -8,8 +8,9 @@ layers of the package::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from atgrpo.lazy import lazy_names
 
 # Each public name and the module it lives in, imported on first use: `import atgrpo` (and so
 # `atgrpo --help`, `import atgrpo.sandbox`, `import atgrpo.envs`) loads no torch.
@@ -90,17 +91,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'atgrpo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # the next lookup is a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
 
 
 __version__ = "0.1.0"
