@@ -106,6 +106,19 @@ def test_invalid_moves_follow_the_games_rule_and_are_recorded() -> None:
     assert second.team_reward == -1.0 and env.outcome is not None and env.outcome[mover] == -1.0
 
 
+def test_the_answer_prefix_is_primed_and_the_game_reads_it_with_the_completion() -> None:
+    env = _env("KuhnPoker-v0", "env.answer_prefix=My move is [")
+    env.reset(seed=0)
+    mover = env.agent_selection
+    assert env.observe(mover)[-1] == {"role": "assistant", "content": "My move is ["}
+    played = env.step("check] because")  # alone not a move: the game reads "My move is [check]"
+    assert played.valid and "[check]" in played.info["game_messages"]
+    plain = _env("KuhnPoker-v0")
+    plain.reset(seed=0)
+    assert plain.observe(mover)[-1]["role"] == "user"
+    assert not plain.step("check] because").valid
+
+
 @pytest.mark.parametrize("game", NAMED_GAMES)
 def test_check_env_passes_on_every_named_game(game: str) -> None:
     env = _env(game, "env.playouts=2")

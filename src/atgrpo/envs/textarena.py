@@ -77,6 +77,12 @@ class TextArenaConfig(FamilyConfig):
     invalid_move_penalty: float = Field(
         default=1.0, ge=0.0, description="The local reward of an invalid move is minus this."
     )
+    answer_prefix: str = Field(
+        default="",
+        description='The primed start of every answer (e.g. "[" where moves are bracketed, '
+        "as in Kuhn Poker's [bet]): the model continues it and the game reads prefix + "
+        'completion; "" = none.',
+    )
     playouts: int = Field(
         default=8,
         ge=0,
@@ -236,6 +242,9 @@ class TextArenaEnv(TurnBasedEnv[int]):
 
     # -- prompts --------------------------------------------------------------------------------
 
+    def answer_prefix(self, agent_id: str) -> str:
+        return self.config.answer_prefix
+
     def _prompt(self, agent_id: str) -> list[Message]:
         """The game's prompt as the system message, then everything the player has seen (the
         game's messages and the players' moves, in order) and whose turn it is."""
@@ -261,7 +270,7 @@ class TextArenaEnv(TurnBasedEnv[int]):
             raise RuntimeError("step() called on a finished episode; call reset() first")
         agent_id = self.agent_selection
         pid = self.possible_agents.index(agent_id)
-        invalid, messages = self._move(pid, action)
+        invalid, messages = self._move(pid, self.answer_prefix(agent_id) + action)
         self._follow_game(played=agent_id)
         team = self._standing(pid)
         info: dict[str, Any] = {"player": pid, "invalid_move": invalid, "game_messages": messages}
