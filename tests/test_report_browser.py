@@ -155,7 +155,13 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     new = _write_run(runs, "new", schema=1)
     old = _write_run(runs, "old", schema=0)
     fields = write_fields_run(runs, "fields")  # tool output, cut answers, a tie, eval files
-    return write_report([tiny, new, old, fields], tmp_path_factory.mktemp("page") / "report.html")
+    game = load_config(
+        REPO / "configs/textarena/kuhn-selfplay-tiny.yaml",
+        [f"run.output_dir={runs}", "run.name=game", "train.steps=1", "eval.after_training=false"],
+    )
+    kuhn = train(game).run_dir  # TextArena's Kuhn Poker: the game's own messages on each move
+    runs_ = [tiny, new, old, fields, kuhn]
+    return write_report(runs_, tmp_path_factory.mktemp("page") / "report.html")
 
 
 def _ready(html: str) -> _Dom:
@@ -197,6 +203,14 @@ def test_tool_cards_show_the_program_output_cut_answers_and_the_tie_break(report
     assert dom.text("tag cut") == "cut"  # one tool answer cut at max_new_tokens
     assert dom.text("tag tie") == "tie-break"  # the tool's kept branch won a tie
     assert "1 of 3 cut at max_new_tokens" in dom.text("meta")
+
+
+def test_game_cards_show_each_moves_game_messages(report: Path) -> None:
+    dom = _ready(dump_dom(report, "#run=game&step=1&task=0"))
+    assert dom.tree["data-run"] == "game" and dom.tree["data-missing"] == ""
+    said = dom.text("output")  # TextArena's words on the moves: the tiny model's are invalid
+    assert "attempted an invalid move" in said, said[:300]
+    assert "game (invalid move)" in dom.text("k")
 
 
 def test_the_summary_fills_before_after_from_the_eval_files(report: Path) -> None:

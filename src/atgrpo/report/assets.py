@@ -244,7 +244,14 @@ VIEWER_JS = r"""
       });
       c.appendChild(prog);
     }
-    var shown = ["parse_error", "program_status", "stdout", "error", "stderr"];
+    if ("game_messages" in info) {
+      // A game's own words on the move (TextArena): accepted, invalid and why, the showdown.
+      var game = el("div", "game");
+      game.appendChild(el("span", "k", info.invalid_move ? "game (invalid move)" : "game"));
+      game.appendChild(el("pre", "output", info.game_messages || "(the game said nothing)"));
+      c.appendChild(game);
+    }
+    var shown = ["parse_error", "program_status", "stdout", "error", "stderr", "game_messages"];
     var rest = Object.keys(info).filter(function (k) { return shown.indexOf(k) < 0; });
     if (rest.length) {
       var d = el("details", "info");
