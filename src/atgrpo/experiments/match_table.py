@@ -1,0 +1,108 @@
+"""The win-rate table of a game comparison: each row's trained players against fixed opponents
+before training (the untrained model) and after (each seed's run).
+
+It reads the ``eval-<split>-vs-<opponent>.json`` files that ``atgrpo eval --opponent`` writes
+(:mod:`atgrpo.experiments.matches`): ``<root>/untrained/`` for the model before training and
+``<root>/runs/<benchmark>/<method>/seed<n>/checkpoints/step-<N>/`` for the comparison's runs (``make
+compare-textarena`` writes both). A policy counts in the seats the run's routing gave it (a
+shared policy: every seat; a per-role policy: its own), so each row is its trained players'
+games. The interval is Wilson's over all those games, seeds pooled; the seeds' own win rates
+stand beside it, as the seed spread is the comparison's::
+
+    python -m atgrpo.experiments.match_table runs/compare-textarena-kuhn random rule
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from atgrpo.experiments.intervals import wilson
+
+
+@dataclass(frozen=True)
+class Tally:
+    """A side's games against one opponent: wins among games, invalid among its moves."""
+
+    wins: int = 0
+    games: int = 0
+    invalid: int = 0
+    moves: int = 0
+
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(
+            self.wins + other.wins,
+            self.games + other.games,
+            self.invalid + other.invalid,
+            self.moves + other.moves,
+        )
+
+    def text(self) -> str:
+        lo, hi = wilson(self.wins, self.games)
+        rate = self.wins / self.games if self.games else 0.0
+        invalid = self.invalid / self.moves if self.moves else 0.0
+        return (
+            f"{100 * rate:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}] of {self.games}, "
+            f"invalid {100 * invalid:.0f} %"
+        )
+
+
+def own_seats(record: dict[str, Any]) -> Tally:
+    """The games of each policy in the seats its run's routing gave it (every seat of a policy
+    that plays them all)."""
+    routing: dict[str, str] = record["config"].get("routing") or {}
+    total = Tally()
+    for seat in record["seats"]:
+        if routing and routing.get(seat["seat"]) != seat["policy"]:
+            continue
+        total += Tally(seat["wins"], seat["games"], seat["invalid_moves"], seat["moves"])
+    return total
+
+
+def _tally(folder: Path, opponent: str, split: str) -> Tally | None:
+    """The record in ``folder`` (the untrained model's) or beside its run's latest checkpoint."""
+    name = f"eval-{split}-vs-{opponent}.json"
+    found = [folder / name] if (folder / name).is_file() else []
+    found += sorted(folder.glob(f"checkpoints/step-*/{name}"))
+    if not found:
+        return None
+    return own_seats(json.loads(found[-1].read_text(encoding="utf-8")))
+
+
+def table(root: Path, opponents: list[str], split: str = "test") -> str:
+    """The Markdown table: a row per trained method and opponent, before and after training."""
+    lines = [
+        "| method | opponent | before training | after, per seed | after, seeds pooled |",
+        "|---|---|---|---|---|",
+    ]
+    for method in sorted(p for p in (root / "runs").glob("*/*") if p.is_dir()):
+        seeds = sorted(method.glob("seed*"))
+        for opponent in opponents:
+            before = _tally(root / "untrained", opponent, split)
+            after = {s.name: _tally(s, opponent, split) for s in seeds}
+            done = [t for t in after.values() if t is not None]
+            per_seed = ", ".join(
+                f"{name} {100 * t.wins / t.games:.0f} %" if t and t.games else f"{name} -"
+                for name, t in after.items()
+            )
+            pooled = sum(done, Tally()).text() if done else "-"
+            lines.append(
+                f"| {method.name} | {opponent} | {before.text() if before else '-'} "
+                f"| {per_seed} | {pooled} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print("usage: python -m atgrpo.experiments.match_table ROOT OPPONENT...", file=sys.stderr)
+        return 2
+    print(table(Path(argv[0]), argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

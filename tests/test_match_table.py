@@ -1,0 +1,60 @@
+"""The win-rate table of a game comparison, from the files `atgrpo eval --opponent` writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from atgrpo.experiments.match_table import Tally, own_seats, table
+
+
+def _seat(policy: str, seat: str, wins: int, games: int = 10, invalid: int = 0) -> dict:
+    return {
+        "policy": policy,
+        "seat": seat,
+        "games": games,
+        "wins": wins,
+        "draws": 0,
+        "losses": games - wins,
+        "invalid_moves": invalid,
+        "moves": 2 * games,
+    }
+
+
+def _write(folder: Path, opponent: str, seats: list[dict], routing: dict[str, str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"schema": 1, "opponent": opponent, "seats": seats, "config": {"routing": routing}}
+    (folder / f"eval-test-vs-{opponent}.json").write_text(json.dumps(record))
+
+
+def test_a_per_role_policy_counts_in_its_own_seat_and_a_shared_one_in_every_seat() -> None:
+    per_role = {
+        "seats": [
+            _seat("first", "player_0", 7),
+            _seat("first", "player_1", 1),  # not its seat in training: left out
+            _seat("second", "player_0", 2),  # nor this
+            _seat("second", "player_1", 5, invalid=4),
+        ],
+        "config": {"routing": {"player_0": "first", "player_1": "second"}},
+    }
+    assert own_seats(per_role) == Tally(wins=12, games=20, invalid=4, moves=40)
+    shared = {"seats": [_seat("shared", "player_0", 7), _seat("shared", "player_1", 1)]}
+    assert own_seats(shared | {"config": {}}) == Tally(wins=8, games=20, invalid=0, moves=40)
+
+
+def test_the_table_pools_the_seeds_and_shows_each_and_the_untrained_model(tmp_path: Path) -> None:
+    shared = [_seat("shared", "player_0", 5), _seat("shared", "player_1", 3)]
+    _write(tmp_path / "untrained", "random", shared, {})
+    method = tmp_path / "runs" / "kuhn" / "at-grpo"
+    _write(
+        method / "seed0/checkpoints/step-000024", "random", [_seat("shared", "player_0", 10)], {}
+    )
+    _write(method / "seed1/checkpoints/step-000024", "random", [_seat("shared", "player_0", 5)], {})
+    (method / "seed2").mkdir()  # not evaluated yet
+    rows = table(tmp_path, ["random", "rule"]).splitlines()
+    assert len(rows) == 4  # the header, its rule, one row per opponent
+    random_row = rows[2].split(" | ")
+    assert random_row[2] == "40.0 % [21.9, 61.3] of 20, invalid 0 %"  # before: 8 of 20
+    assert random_row[3] == "seed0 100 %, seed1 50 %, seed2 -"
+    assert random_row[4].startswith("75.0 % [53.1, 88.8] of 20")  # after: 15 of 20, pooled
+    assert rows[3].endswith("| - | seed0 -, seed1 -, seed2 - | - |")  # no rule evaluations
