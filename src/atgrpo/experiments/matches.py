@@ -18,14 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from atgrpo.algo.rollout import collect_rollout
 from atgrpo.config import Config, ConfigError
 from atgrpo.envs import Split, make_env, split_seeds
 from atgrpo.envs.textarena import TextArenaEnv
 from atgrpo.envs.textarena_opponents import fixed_opponent
 from atgrpo.experiments.intervals import wilson
+from atgrpo.training.evaluation import seeded_rollout
 from atgrpo.training.runtime import Runtime
 
 FIXED = ("random", "rule")
@@ -103,17 +101,16 @@ def _play_seat(
             generators[key] = opponent.runtime.generators[theirs]
             encode[key] = opponent.runtime.encode[theirs]
             policy_of[agent_id] = key
-    with torch.random.fork_rng():
-        torch.manual_seed(rt.cfg.run.seed)
-        rollout = collect_rollout(
-            envs,
-            seeds,
-            generators=generators,
-            policy_of=policy_of,
-            encode=encode,
-            settings=rt.settings.eval,
-            stepper=rt.stepper,
-        )
+    rollout = seeded_rollout(
+        rt.cfg.run.seed,
+        envs,
+        seeds,
+        generators=generators,
+        policy_of=policy_of,
+        encode=encode,
+        settings=rt.settings.eval,
+        stepper=rt.stepper,
+    )
     final: dict[int, float] = {}
     for s in rollout.samples:  # time order: a game's last outcome is its result
         if "outcome" in s.info:

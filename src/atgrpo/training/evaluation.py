@@ -287,6 +287,15 @@ def _shortfall_note(split: Split, asked: int, found: int, size: int | None, draw
     )
 
 
+def seeded_rollout(seed: int, envs: list[Any], seeds: list[int], **kwargs: Any) -> Rollout:
+    """:func:`~atgrpo.algo.rollout.collect_rollout` with torch's RNG seeded by ``seed``
+    (``run.seed``) and restored after: a held-out rollout samples the same way wherever it is
+    called from, and leaves the caller's RNG as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return collect_rollout(envs, seeds, **kwargs)
+
+
 def evaluate_held_out(
     cfg: Config,
     *,
@@ -310,18 +319,17 @@ def evaluate_held_out(
     """
     envs, seeds, note = held_out_tasks(cfg, split, num_tasks)
     keys = [instance_key(env) for env in envs]  # before the rollout moves the envs on
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.run.seed)
-        rollout = collect_rollout(
-            envs,
-            seeds,
-            generators=generators,
-            policy_of=policy_of,
-            encode=encode,
-            settings=settings,
-            stepper=stepper,
-            pool=pool,
-        )
+    rollout = seeded_rollout(
+        cfg.run.seed,
+        envs,
+        seeds,
+        generators=generators,
+        policy_of=policy_of,
+        encode=encode,
+        settings=settings,
+        stepper=stepper,
+        pool=pool,
+    )
     report = _report(cfg, split, rollout, seeds, keys, note, num_tasks)
     report.samples = sample_records(
         0, rollout, num_tasks=len(seeds), grouping=cfg.algo.grouping, tree=False, instance_keys=keys
