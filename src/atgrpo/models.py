@@ -389,9 +389,9 @@ def retain_freed_memory() -> bool:
     free, so each step's large tensors (a micro-batch's (m, R, V) logits, the embedding's dense
     gradient, the autocast copies of the weights) fault in new zeroed pages every time. With
     no mmap for large blocks and no trimming of the heap they reuse the pages of the step
-    before: on 2 CPU cores one update of 4 x 8 samples took 4.4 s instead of 7.6 s, at 5 %
-    more peak RSS (``bench/bench_step.py``). Process-wide and idempotent; returns False where
-    the C library is not glibc (nothing changes).
+    before (what it saves, measured with ``bench/bench_step.py``: docs/results/step-speed.md,
+    "glibc keeps freed memory"). Process-wide and idempotent; returns False where the C library
+    is not glibc (nothing changes).
     """
     import ctypes
 

@@ -283,8 +283,8 @@ def _packed_states(
     table = torch.cat(
         [last.flatten(0, 1), states.flatten(0, 1), states.new_zeros(1, states.shape[-1])]
     )
-    rows = table.index_select(0, layout.index.flatten())  # backward: one index_add (2x faster
-    return rows.view(*layout.index.shape, -1)  # than advanced indexing's index_put)
+    rows = table.index_select(0, layout.index.flatten())  # backward: one index_add, cheaper
+    return rows.view(*layout.index.shape, -1)  # than advanced indexing's index_put
 
 
 def _forward(

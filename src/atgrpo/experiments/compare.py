@@ -228,8 +228,8 @@ class RunSpec:
 
 # Checkpoints every 5 steps (the last only): a run stopped by SIGINT / SIGTERM checkpoints at
 # the next step boundary, so it loses at most the step in flight; a SIGKILL loses at most 4
-# steps. Every step would cost a 1.6 GB write for a 135M model with AdamW (3-5 s of a 10-20 s
-# step on the development machine's disk). No evaluation runs inside training: the comparison
+# steps. Every step would cost a 1.6 GB write for a 135M model with AdamW, seconds of a step
+# on a slow disk. No evaluation runs inside training: the comparison
 # evaluates the result.
 RUN_OVERRIDES = (
     "checkpoint.every=5",
