@@ -51,6 +51,8 @@ def test_self_play_and_per_role_train_and_record_invalid_moves(runs: dict[str, P
         assert len([r for r in rows if "step" in r]) >= 2
         valid = [v for r in rows for k, v in r.items() if k.endswith("/valid")]
         assert valid and all(v == 0.0 for v in valid)  # every move of a random model is invalid
+        rates = [v for r in rows for k, v in r.items() if k.endswith("/invalid_move_rate")]
+        assert rates and all(v == 1.0 for v in rates)  # and the game's rule says so too
     steps = sorted((runs["per_role"] / "checkpoints").glob("step-*"))
     assert len(steps) == 2
     frozen = [_weights(s, "second") for s in steps]

@@ -42,6 +42,9 @@ def rollout_metrics(rollout: Rollout) -> dict[str, float]:
         out[f"rollout/{agent}/response_tokens"] = sum(len(s.response_ids) for s in samples) / n
         # Cut at max_new_tokens: how much rollout.truncation (or a larger cap) matters.
         out[f"rollout/{agent}/truncated_frac"] = sum(s.truncated for s in samples) / n
+        judged = [bool(s.info["invalid_move"]) for s in samples if "invalid_move" in s.info]
+        if judged:  # a game's own rule judged the moves (TextArena): its invalid-move rate
+            out[f"rollout/{agent}/invalid_move_rate"] = sum(judged) / len(judged)
     episodes = rollout.episodes
     out["rollout/success"] = sum(e.success for e in episodes) / len(episodes)
     out["rollout/team_return"] = sum(e.team_return for e in episodes) / len(episodes)
