@@ -12,8 +12,8 @@ from atgrpo.checkpoint import CheckpointError
 from atgrpo.config import Config, ConfigError
 from atgrpo.splits import Split
 from atgrpo.training.evaluation import EvalReport, check_checkpoint_config
-from atgrpo.training.loop import train
-from atgrpo.training.runtime import build_runtime, seed_everything
+from atgrpo.training.loop import seed_everything, train
+from atgrpo.training.runtime import build_runtime
 
 __all__ = ["evaluate", "load_checkpoint", "train"]
 

@@ -275,7 +275,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         measured,
         write_eval_json,
     )
-    from atgrpo.training.runtime import build_runtime, seed_everything
+    from atgrpo.training.loop import seed_everything
+    from atgrpo.training.runtime import build_runtime
 
     overrides = [*args.overrides]
     if args.num_tasks is not None:  # in the config, so that eval-<split>.json records it
@@ -317,13 +318,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval_matches(cfg: Any, checkpoint: Path | None, args: argparse.Namespace) -> int:
     """``atgrpo eval --opponent``: each policy in each seat of a game against the opponent."""
     from atgrpo.envs import Split
-    from atgrpo.training.evaluation import eval_json_path, measured
     from atgrpo.experiments.matches import (
         SeatResult,
         build_opponent,
         seats_report,
         write_matches_json,
     )
+    from atgrpo.training.evaluation import eval_json_path, measured
     from atgrpo.training.runtime import build_runtime
 
     opponent = build_opponent(cfg, args.opponent)

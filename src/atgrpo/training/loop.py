@@ -23,6 +23,7 @@ settings come from :mod:`atgrpo.training.settings`, and the loggers of ``run.log
 from __future__ import annotations
 
 import math
+import random
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from atgrpo import checkpoint as ckpt
@@ -56,7 +58,7 @@ from atgrpo.training.run_dir import (
     run_lock,
     sigterm_stops,
 )
-from atgrpo.training.runtime import Learner, Runtime, build_runtime, seed_everything
+from atgrpo.training.runtime import Learner, Runtime, build_runtime
 from atgrpo.training.tracking import Loggers, build_loggers
 
 
@@ -68,6 +70,13 @@ class TrainResult:
     eval_before: EvalReport | None = None
     eval_after: EvalReport | None = None
     checkpoint: Path | None = None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's RNGs: at the run's start and at every step."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def _step_seed(run_seed: int, step: int) -> int:

@@ -10,16 +10,12 @@ Training (:mod:`atgrpo.training.loop`), evaluation (``atgrpo eval``) and compari
 from __future__ import annotations
 
 import os
-import random
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
-
-import numpy as np
-import torch
 
 from atgrpo import checkpoint as ckpt
 from atgrpo.algo.records import Sample
@@ -204,9 +200,3 @@ def _build_stepper(cfg: Config, on_close: list[Callable[[], None]]) -> EnvSteppe
     pool = ThreadPoolExecutor(max_workers=cfg.rollout.env_workers or os.cpu_count() or 1)
     on_close.append(pool.shutdown)  # waits for running steps
     return ThreadStepper(pool)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
