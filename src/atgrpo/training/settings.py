@@ -122,7 +122,7 @@ def _update(cfg: Config, sampling: PerAgent) -> UpdateSettings:
         dual_clip=algo.dual_clip,
         ratio_level=algo.ratio_level,
         norm_tokens=algo.loss_norm_tokens or cfg.rollout.max_new_tokens,
-        agents=tuple(sorted(sampling)),
+        agents=tuple(sampling),  # in the order given
         masked=frozenset(
             a for a, own in sampling.items() if own.truncation.mode is Truncation.MASK
         ),
@@ -156,7 +156,7 @@ def run_settings(cfg: Config, agents: tuple[str, ...]) -> RunSettings:
         eval=_eval_rollout(cfg, held_out),
         advantage=advantage,
         filter=filter_settings(cfg, advantage),
-        update=_update(cfg, train),
+        update=_update(cfg, {a: train[a] for a in sorted(agents)}),  # one order on every rank
         identical_prompts=cfg.algo.grouping is Grouping.AGENT_TURN
         and cfg.rollout.sampling is Sampling.TREE,
     )
