@@ -51,6 +51,7 @@ def test_the_table_pools_the_seeds_and_shows_each_and_the_untrained_model(tmp_pa
     )
     _write(method / "seed1/checkpoints/step-000024", "random", [_seat("shared", "player_0", 5)], {})
     (method / "seed2").mkdir()  # not evaluated yet
+    (method / "seed0.log").write_text("the comparison's log of seed 0")  # not a seed
     rows = table(tmp_path, ["random", "rule"]).splitlines()
     assert len(rows) == 4  # the header, its rule, one row per opponent
     random_row = rows[2].split(" | ")

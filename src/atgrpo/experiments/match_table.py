@@ -79,7 +79,7 @@ def table(root: Path, opponents: list[str], split: str = "test") -> str:
         "|---|---|---|---|---|",
     ]
     for method in sorted(p for p in (root / "runs").glob("*/*") if p.is_dir()):
-        seeds = sorted(method.glob("seed*"))
+        seeds = sorted(p for p in method.glob("seed*") if p.is_dir())  # not seedN.log, .claim
         for opponent in opponents:
             before = _tally(root / "untrained", opponent, split)
             after = {s.name: _tally(s, opponent, split) for s in seeds}
