@@ -54,17 +54,15 @@ def _eval_rollout(cfg: Config, sampling: PerAgent) -> RolloutSettings:
     """``sampling``: each agent's with ``eval.max_new_tokens`` under its own cap; greedy when
     n = 1, else at ``eval.temperature`` over its own; cut responses kept."""
     n = cfg.eval.samples_per_task
-    temperature = {
-        a: (cfg.eval.temperature or own.params.temperature) if n > 1 else None
-        for a, own in sampling.items()
-    }
+
+    def held_out(own: AgentSampling) -> AgentSampling:
+        temperature = (cfg.eval.temperature or own.params.temperature) if n > 1 else None
+        return AgentSampling(replace(own.params, temperature=temperature))
+
     return RolloutSettings(
         num_generations=n,
         tree=n == 1,  # n = 1: one greedy branch; n > 1: n independent sampled episodes
-        agents={
-            a: AgentSampling(replace(own.params, temperature=temperature[a]))
-            for a, own in sampling.items()
-        },
+        agents={a: held_out(own) for a, own in sampling.items()},
         alpha=cfg.algo.alpha,
         local_weight=cfg.algo.local_weight,
         lookahead=False,  # nothing is trained on held-out rewards
