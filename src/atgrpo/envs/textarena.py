@@ -28,9 +28,10 @@ configured, so ``import atgrpo.envs`` stays free of it.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, Self
 
@@ -168,6 +169,13 @@ def _random_state(state: tuple[Any, ...]) -> Iterator[list[tuple[Any, ...]]]:
         finally:
             after[0] = random.getstate()
             random.setstate(outer)
+
+
+def _under(state: tuple[Any, ...], fn: Callable[[], Any]) -> tuple[Any, tuple[Any, ...]]:
+    """``fn()`` with the global ``random`` at ``state``: its result and the state it left."""
+    with _random_state(state) as after:
+        result = fn()
+    return result, after[0]
 
 
 class TextArenaEnv(TurnBasedEnv[int]):
@@ -323,9 +331,7 @@ class TextArenaEnv(TurnBasedEnv[int]):
 
     def _call(self, fn: Any) -> Any:
         """Call into the game with this env's own RNG state in the global ``random``."""
-        with _random_state(self._rng_state) as after:
-            result = fn()
-        self._rng_state = after[0]
+        result, self._rng_state = _under(self._rng_state, fn)
         return result
 
     # -- credit ---------------------------------------------------------------------------------
@@ -355,9 +361,7 @@ class TextArenaEnv(TurnBasedEnv[int]):
                 break
             mover = game.state.current_player_id
             move = chooser.choice(legal_moves(game, mover) or [""])
-            with _random_state(rng_state) as after:
-                game.step(move)
-            rng_state = after[0]
+            _, rng_state = _under(rng_state, functools.partial(game.step, move))
         rewards = game.state.rewards if game.state.done else None
         return float(rewards.get(pid, 0.0)) if rewards else 0.0
 
