@@ -89,7 +89,8 @@ def test_a_model_that_rescales_its_logits_is_refused(tmp_path: Path) -> None:
 
 
 def test_response_scores_match_the_full_logits_of_the_model(tmp_path: Path) -> None:
-    from atgrpo.algo.update import response_scores, response_states
+    from atgrpo.algo.collate import response_states
+    from atgrpo.algo.logprobs import response_scores
 
     policy = build_policy(load_config(TINY, [f"run.output_dir={tmp_path}"]))
     batch = collate(mixed_batch(policy), policy.tokenizer.pad_token_id)

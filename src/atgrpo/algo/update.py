@@ -42,7 +42,6 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -51,9 +50,9 @@ from atgrpo.algo.collate import Responses as Responses
 from atgrpo.algo.collate import collate as collate
 from atgrpo.algo.collate import collate_responses as collate_responses
 from atgrpo.algo.collate import response_states as response_states
+from atgrpo.algo.counts import Counts, count
+from atgrpo.algo.logprobs import batch_logprobs, reference_logprobs, response_scores
 from atgrpo.algo.loss import (
-    LOGPROB_CHUNK_TOKENS,
-    LossAggregation,
     LossOutput,
     OldLogprobs,
     RatioLevel,
@@ -65,98 +64,9 @@ from atgrpo.algo.passes import DataParallel as DataParallel
 from atgrpo.algo.passes import full_rows, rows_of, shared_passes, unshared_passes
 from atgrpo.algo.policy import Policy
 from atgrpo.algo.records import Sample
-from atgrpo.algo.scores import (
-    Scores,
-    output_layer,
-    token_scores,
-)
+from atgrpo.algo.update_settings import UpdateSettings as UpdateSettings
 from atgrpo.algo.update_stats import Accumulator, Gap, gap, summary
 from atgrpo.algo.update_stats import UpdateStats as UpdateStats
-from atgrpo.models import autocast_for
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    """How one policy update runs; built from the config in one place
-    (:mod:`atgrpo.training.settings`)."""
-
-    # The rollout's: log-probs are of the tempered distribution; a sample that recorded its own
-    # temperature (an agent's rollout.agents.<id>.temperature) is scored at that one.
-    temperature: float
-    clip_low: float
-    clip_high: float
-    aggregation: LossAggregation
-    kl_coef: float
-    entropy_coef: float
-    micro_batch_size: int
-    grad_clip: float
-    skip_zero_advantage: bool  # a pure speed-up: normalisers count every sample
-    old_logprobs: OldLogprobs
-    tis_cap: float  # 0: no truncated importance weights
-    share_prefix: bool  # each group's prompt computed once, its KV cache shared (exact)
-    # Optimizer steps per rollout batch (verl's actor update): the batch is cut into mini-batches
-    # of about this many samples (0: the whole batch, one step), whole prompt groups each, and
-    # passed over ppo_epochs times; one AdamW step per mini-batch.
-    ppo_mini_batch_size: int = 0
-    ppo_epochs: int = 1
-    dual_clip: float = 0.0  # c > 1 caps the loss of a negative advantage at -c A; 0: off
-    ratio_level: RatioLevel = RatioLevel.TOKEN  # sequence: GSPO
-    norm_tokens: int = 0  # the constant aggregation's token budget per response
-    agents: tuple[str, ...] = ()  # every agent the policy may act for: agent_token_mean's shares
-    # The agents whose rollout.truncation is mask: a response of theirs cut at max_new_tokens
-    # is left out of the loss and of its normalisers.
-    masked: frozenset[str] = frozenset()
-    # Rows x positions of logits at a time when the output layer turns the final hidden states
-    # into log-probs (atgrpo.algo.scores); each chunk's logits are recomputed in backward.
-    logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS
-
-    @property
-    def regularised(self) -> bool:
-        """A KL or entropy term is on: zero-advantage samples still have a gradient."""
-        return self.kl_coef > 0 or self.entropy_coef > 0
-
-
-def response_scores(
-    model: Any,
-    states: torch.Tensor,  # (B, R, H) from response_states or the prefix-shared passes
-    r: Responses,
-    settings: UpdateSettings,
-    autocast_dtype: torch.dtype | None,
-    entropy: bool = False,
-) -> Scores:
-    """Each response token's log-prob (and entropy) at its sample's temperature, the output
-    layer applied ``settings.logprob_chunk_tokens`` logits at a time."""
-    temperature = _temperature(r, settings)  # (B, 1, 1): each sample's own
-    with autocast_for(model, autocast_dtype):  # as the output layer ran inside the forward
-        return token_scores(
-            states,
-            output_layer(model),
-            r.targets,
-            temperature,
-            settings.logprob_chunk_tokens,
-            entropy,
-        )
-
-
-@torch.no_grad()
-def reference_logprobs(policy: Policy, batch: Batch, settings: UpdateSettings) -> torch.Tensor:
-    """(B, R) log-probs of the frozen starting point of ``policy`` for the KL term.
-
-    L2: the shared base with every adapter switched off; whole models: the initial copy.
-    """
-    if policy.adapter is not None:
-        with policy.model.disable_adapter():
-            return _logprobs(policy.model, batch, settings, policy.autocast_dtype)
-    if policy.reference is None:
-        raise ValueError(f"policy {policy.policy_id!r} has no reference model for the KL term")
-    return _logprobs(policy.reference, batch, settings, policy.autocast_dtype)
-
-
-def _logprobs(
-    model: Any, batch: Batch, settings: UpdateSettings, autocast_dtype: torch.dtype | None
-) -> torch.Tensor:  # (B, R)
-    states = response_states(model, batch, autocast_dtype)
-    return response_scores(model, states, batch.responses, settings, autocast_dtype).logprobs
 
 
 def ppo_update(
@@ -188,27 +98,22 @@ def ppo_update(
 def shard_update(samples: list[Sample], settings: UpdateSettings, ranks: int) -> list[Shard]:
     """The driver's plan for a data-parallel group of ``ranks``: each rank's part of every
     mini-batch of the whole batch, so the ranks take the steps one process would take."""
-    return shards(_trained(samples, settings), settings.ppo_mini_batch_size, ranks)
+    return shards(settings.trained(samples), settings.ppo_mini_batch_size, ranks)
 
 
 def _parts(
     samples: list[Sample] | Shard, settings: UpdateSettings, parallel: DataParallel | None
 ) -> list[list[Sample]]:
-    """This process's part of each mini-batch, the samples that train (:func:`_trained`)."""
+    """This process's part of each mini-batch: the samples that train, as
+    :meth:`UpdateSettings.trained` keeps them."""
     if isinstance(samples, Shard):
-        return [_trained(part, settings) for part in samples.parts]
+        return [settings.trained(part) for part in samples.parts]
     if parallel is not None and parallel.size > 1 and settings.ppo_mini_batch_size > 0:
         raise ValueError(
             "a data-parallel rank's mini-batches are planned on the driver for the whole batch: "
             "pass its Shard from shard_update(samples, settings, ranks)"
         )
-    return mini_batches(_trained(samples, settings), settings.ppo_mini_batch_size)
-
-
-def _trained(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
-    """The samples the update sees: a masked cut response is a zero loss mask, out of the loss,
-    the normalisers, the skipped and the computed samples alike, as an empty response is."""
-    return [s for s in samples if s.response_ids and not _masked(s, settings)]
+    return mini_batches(settings.trained(samples), settings.ppo_mini_batch_size)
 
 
 def _update(
@@ -221,7 +126,7 @@ def _update(
     foreign = {s.policy_id for s in samples} - {policy.policy_id}
     if foreign:
         raise ValueError(f"policy {policy.policy_id!r} got samples of policies {sorted(foreign)}")
-    counts = _counts(samples, settings, parallel)
+    counts = count(samples, settings, parallel)
     if not counts.signal:
         return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
     policy.activate()
@@ -231,7 +136,7 @@ def _update(
         # pi_old of every later mini-batch before the first step changes the weights (also
         # under old_logprobs: rollout, where it is the sampler gap's and TIS's trainer side);
         # the first mini-batch's comes from its own forward (ratio exactly 1 there).
-        later = [s for part in parts[1:] for s in _computed(part, settings)]
+        later = [s for part in parts[1:] for s in settings.computed(part)]
         _record_old_logprobs(policy, later, settings, olds, parallel)
     steps: list[UpdateStats] = []
     for _ in range(settings.ppo_epochs):
@@ -242,44 +147,9 @@ def _update(
             if len(steps) == 1 and olds.keep:
                 # The first step stopped at a non-finite micro-batch, or had no signal: the
                 # weights have not moved, so the rest of its mini-batch's pi_old is taken now.
-                missing = olds.missing(_computed(parts[0], settings))
+                missing = olds.missing(settings.computed(parts[0]))
                 _record_old_logprobs(policy, missing, settings, olds, parallel)
     return steps[0] if len(steps) == 1 else summary(steps, counts.seqs, counts.tokens, len(parts))
-
-
-@dataclass(frozen=True)
-class _Counts:
-    agent_tokens: dict[str, int]  # per agent of settings.agents (all ranks): agent_token_mean
-    tokens: int  # every response token of the batch (all ranks): the token-mean normaliser
-    seqs: int  # every response (all ranks): the seq-mean normaliser
-    signal: bool  # the loss has a gradient (a non-zero advantage, or a KL / entropy term)
-    computed: int  # samples with a forward and backward
-
-
-def _counts(
-    samples: list[Sample], settings: UpdateSettings, parallel: DataParallel | None
-) -> _Counts:
-    """The whole (mini-)batch's counts over the ranks; every sample counts, computed or not
-    (invariant 10)."""
-    agents: tuple[str, ...] = ()
-    if _per_agent(settings):  # ranks lay the counts out alike only by settings.agents
-        if parallel is not None and not settings.agents:
-            raise ValueError("agent_token_mean with data parallelism needs settings.agents")
-        agents = settings.agents or tuple(sorted({s.agent_id for s in samples}))
-    counts = torch.tensor(
-        [
-            sum(len(s.response_ids) for s in samples),
-            len(samples),
-            _has_signal(samples, settings),
-            len(_computed(samples, settings)),
-            *(sum(len(s.response_ids) for s in samples if s.agent_id == a) for a in agents),
-        ]
-    )
-    if parallel is not None:  # settings.agents: the same layout on every rank
-        parallel.all_reduce(counts)
-    tokens, seqs, signal, computed = (int(c) for c in counts[:4])
-    per_agent = dict(zip(agents, (int(c) for c in counts[4:]), strict=True))
-    return _Counts(per_agent, tokens, seqs, bool(signal), computed)
 
 
 def _optimizer_step(
@@ -288,71 +158,30 @@ def _optimizer_step(
     settings: UpdateSettings,
     parallel: DataParallel | None,
     olds: TrainerLogprobs,
-    counts: _Counts | None = None,
+    counts: Counts | None = None,
 ) -> UpdateStats:
     """One optimizer step on one mini-batch, normalised by the mini-batch's own counts."""
-    counts = counts or _counts(samples, settings, parallel)
+    counts = counts or count(samples, settings, parallel)
     if not counts.signal:
         return UpdateStats(True, "no samples with signal", counts.seqs, counts.tokens)
-    computed = _computed(samples, settings)
+    computed = settings.computed(samples)
     policy.optimizer.zero_grad(set_to_none=True)
     acc = Accumulator()
-    norm = _Divisors(counts.tokens, counts.seqs, counts.agent_tokens)
     if settings.share_prefix and not (parallel is not None and parallel.sharded):
-        _backward_shared(policy, computed, settings, norm, acc, olds)
+        _backward_shared(policy, computed, settings, counts, acc, olds)
     else:
-        _backward_unshared(policy, computed, settings, norm, acc, olds, parallel)
+        _backward_unshared(policy, computed, settings, counts, acc, olds, parallel)
     if parallel is not None:  # every rank reaches here, so every rank decides alike
         summed = [] if parallel.sharded else policy.params  # FSDP2 reduce-scattered them
         acc.sum_over_ranks(parallel, summed)
     return _step(policy, settings, acc, counts)
 
 
-def _masked(sample: Sample, settings: UpdateSettings) -> bool:
-    """A response cut at max_new_tokens whose agent's ``rollout.truncation`` is mask."""
-    return sample.truncated and sample.agent_id in settings.masked
-
-
-def _temperature(r: Responses, settings: UpdateSettings) -> torch.Tensor:  # (B, 1, 1)
-    """Each row's sampling temperature: its sample's, or the update's default where it recorded
-    none (invariant 3 of docs/design.md: agents may sample at their own temperatures)."""
-    default = torch.full_like(r.temperatures, settings.temperature)
-    return torch.where(torch.isnan(r.temperatures), default, r.temperatures)[:, None, None]
-
-
-def _has_signal(samples: list[Sample], settings: UpdateSettings) -> int:
-    """1 when the loss has a gradient: a non-zero advantage, or a KL or entropy term."""
-    return int(bool(samples) and (settings.regularised or any(s.advantage != 0.0 for s in samples)))
-
-
-def _computed(samples: list[Sample], settings: UpdateSettings) -> list[Sample]:
-    """The samples that need a forward: all, or with skipping those whose gradient is not 0.
-
-    A zero-advantage sample contributes 0 to the policy-gradient term; its KL and entropy
-    terms are not 0, so nothing is skipped when either is on.
-    """
-    if not settings.skip_zero_advantage or settings.regularised:
-        return samples
-    return [s for s in samples if s.advantage != 0.0]
-
-
-@dataclass(frozen=True)
-class _Divisors:
-    num_tokens: int  # every response token of the batch (all ranks)
-    num_seqs: int  # every response of the batch (all ranks)
-    agent_tokens: dict[str, int]  # per agent (all ranks)
-
-    def rows(self, chunk: list[Sample]) -> torch.Tensor:  # (B,) agent_token_mean's divisors
-        """Agents with tokens x the tokens of each row's agent: each agent weighs one share."""
-        present = sum(1 for n in self.agent_tokens.values() if n > 0)
-        return torch.tensor([present * self.agent_tokens[s.agent_id] for s in chunk])
-
-
 def _backward_unshared(
     policy: Policy,
     computed: list[Sample],
     settings: UpdateSettings,
-    norm: _Divisors,
+    norm: Counts,
     acc: Accumulator,
     olds: TrainerLogprobs,
     parallel: DataParallel | None = None,
@@ -365,7 +194,7 @@ def _backward_unshared(
     ):
         states = response_states(policy.model, batch, policy.autocast_dtype)  # (B, R, H)
         old = olds.get(chunk, batch.input_ids.device) if real else None
-        rows = norm.rows(chunk) if real and _per_agent(settings) else None
+        rows = norm.rows(chunk) if real and settings.per_agent else None
         result = _loss(
             policy,
             states,
@@ -402,7 +231,7 @@ def _record_old_logprobs(
         return
     for chunk, batch, real in unshared_passes(policy, samples, settings.micro_batch_size, parallel):
         if real:
-            olds.record(chunk, _logprobs(model, batch, settings, dtype))
+            olds.record(chunk, batch_logprobs(model, batch, settings, dtype))
         else:  # a placeholder's forward: the sharded ranks gather weights in step
             response_states(model, batch, dtype)
 
@@ -411,7 +240,7 @@ def _backward_shared(
     policy: Policy,
     computed: list[Sample],
     settings: UpdateSettings,
-    norm: _Divisors,
+    norm: Counts,
     acc: Accumulator,
     olds: TrainerLogprobs,
 ) -> None:
@@ -426,7 +255,7 @@ def _backward_shared(
         # The full rows (prompt + response) are built only for a KL reference.
         rows_on_demand = functools.partial(full_rows, chunk, pad_id, device)
         old = olds.get(chunk, device)
-        weights = norm.rows(chunk) if _per_agent(settings) else None
+        weights = norm.rows(chunk) if settings.per_agent else None
         result = _loss(
             policy,
             states,
@@ -458,10 +287,6 @@ def _backward(result: _MicroLoss, acc: Accumulator, always: bool = False) -> boo
     return True
 
 
-def _per_agent(settings: UpdateSettings) -> bool:
-    return settings.aggregation is LossAggregation.AGENT_TOKEN_MEAN
-
-
 @dataclass(frozen=True)
 class _MicroLoss:
     out: LossOutput
@@ -474,7 +299,7 @@ def _loss(
     states: torch.Tensor,  # (B, R, H) final hidden states predicting each response token
     r: Responses,
     settings: UpdateSettings,
-    norm: _Divisors,
+    norm: Counts,
     *,
     full_rows: Callable[[], Batch],  # the micro-batch's prompt + response rows, on demand
     old_trainer: torch.Tensor | None = None,  # (B, R) pi_old from before the first step
@@ -511,15 +336,15 @@ def _loss(
         is_weights=weights,
         dual_clip=settings.dual_clip,
         sequence_ratio=settings.ratio_level is RatioLevel.SEQUENCE,
-        num_tokens=norm.num_tokens,
-        num_seqs=norm.num_seqs,
+        num_tokens=norm.tokens,
+        num_seqs=norm.seqs,
         norm_tokens=settings.norm_tokens or None,
         row_norms=None if rows is None else rows.to(states.device),
     )
     return _MicroLoss(out, gap(trainer, r.old_logprobs, r.mask), trainer)
 
 
-def _step(policy: Policy, settings: UpdateSettings, acc: Accumulator, n: _Counts) -> UpdateStats:
+def _step(policy: Policy, settings: UpdateSettings, acc: Accumulator, n: Counts) -> UpdateStats:
     """The optimizer step, guarded: a non-finite loss or gradient skips it and is reported."""
     if not acc.finite:
         policy.optimizer.zero_grad(set_to_none=True)

@@ -15,7 +15,7 @@ from atgrpo.algo.filtering import FilterSettings
 from atgrpo.algo.rollout import RolloutSettings
 from atgrpo.algo.sampling import AgentSampling
 from atgrpo.algo.truncation import Truncation
-from atgrpo.algo.update import UpdateSettings
+from atgrpo.algo.update_settings import UpdateSettings
 from atgrpo.config import Config, Sampling, TeamCredit
 
 PerAgent = Mapping[str, AgentSampling]  # agent id -> its sampling, resolved by the config
