@@ -16,6 +16,7 @@ Numbers vary with the machine and its load; compare rows of one run, not runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import random
 import sys
@@ -79,8 +80,8 @@ def sandbox_cases(module: ModuleType) -> dict[str, Callable[[], Any]]:
         "import numpy programs/s": lambda: module.run_python("import numpy", limits),
     }
     for workers in (1, 2, 4):
-        cases[f"run_many x{workers} programs/s"] = lambda w=workers: module.run_many(
-            batch, limits, max_workers=w
+        cases[f"run_many x{workers} programs/s"] = functools.partial(
+            module.run_many, batch, limits, max_workers=workers
         )
     return cases
 

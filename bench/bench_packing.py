@@ -88,7 +88,8 @@ def workload_a(model: str, rounds: int) -> None:
         bench_step.seed_all(i)
         step.step()
     update.ppo_update = inner
-    alternate(inner, *captured[-1], rounds=rounds)
+    policy, samples, settings = captured[-1][:3]
+    alternate(inner, policy, samples, settings, rounds=rounds)
 
 
 def demo(model: str, rounds: int) -> None:

@@ -150,7 +150,7 @@ def reward(text: str) -> float:
 
 
 def seed_all(seed: int) -> None:
-    from atgrpo.training.runtime import seed_everything
+    from atgrpo.training.loop import seed_everything
 
     seed_everything(seed)
 
@@ -845,7 +845,7 @@ WORKLOAD_TITLES = {
 def variants(workload: str, vllm: bool, chosen: list[str] | None = None) -> tuple[str, ...]:
     """The variants of a workload (those in ``chosen`` only, where given); with ``vllm``,
     workload a's atgrpo step on the vLLM engine."""
-    extra = ("atgrpo-vllm",) if vllm and workload == "a" else ()
+    extra: tuple[str, ...] = ("atgrpo-vllm",) if vllm and workload == "a" else ()
     if workload == "a" and chosen is not None and "atgrpo-share-mkl" in chosen:
         extra += ("atgrpo-share-mkl",)
     return tuple(v for v in VARIANTS[workload] + extra if chosen is None or v in chosen)

@@ -55,12 +55,13 @@ def timed(owner: Any, name: str, label: str) -> None:
 def instrument() -> None:
     from transformers import AttentionInterface
 
+    import atgrpo.algo.passes as passes
     import atgrpo.algo.prefix as prefix
     import atgrpo.algo.update as update
     import atgrpo.attention as attention
     import atgrpo.models as models
 
-    timed(update, "run_prompts", "update: prompts forward")
+    timed(passes, "run_prompts", "update: prompts forward")
     timed(prefix, "response_states_on_prompts", "update: responses forward")
     timed(update, "_loss", "update: loss")
     timed(update, "_backward", "update: responses backward")
