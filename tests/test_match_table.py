@@ -59,3 +59,31 @@ def test_the_table_pools_the_seeds_and_shows_each_and_the_untrained_model(tmp_pa
     assert random_row[3] == "seed0 100 %, seed1 50 %, seed2 -"
     assert random_row[4].startswith("75.0 % [53.1, 88.8] of 20")  # after: 15 of 20, pooled
     assert rows[3].endswith("| - | seed0 -, seed1 -, seed2 - | - |")  # no rule evaluations
+
+
+def test_training_moves_count_each_quarter_of_the_steps_with_the_primed_prefix(
+    tmp_path: Path,
+) -> None:
+    from atgrpo.experiments.match_table import main, moves_table, training_moves
+
+    def row(step: int, response: str, valid: bool = True, invalid_move: bool = False) -> str:
+        info = {"invalid_move": invalid_move}
+        return json.dumps({"step": step, "response": response, "valid": valid, "info": info})
+
+    run = tmp_path / "runs" / "kuhn" / "at-grpo" / "seed0"
+    run.mkdir(parents=True)
+    rows = [
+        row(1, "check] and I wait"),  # the prefix's "[" opens the move
+        row(2, "Check] again"),  # counted in lower case
+        row(3, "bet]", invalid_move=True),  # the game refused it
+        row(5, "fold]"),
+        row(8, "nonsense", valid=False),
+    ]
+    (run / "samples.jsonl").write_text("\n".join(rows) + "\n")
+    got = training_moves(run, "My move is [", steps=8)
+    assert got == [{"check": 2}, {"invalid": 1}, {"fold": 1}, {"invalid": 1}]
+    (run / "config.yaml").write_text("env: {answer_prefix: 'My move is ['}\ntrain: {steps: 8}\n")
+    table_rows = moves_table(tmp_path).splitlines()
+    assert table_rows[2] == "| at-grpo | seed0 | check 2 | invalid 1 | fold 1 | invalid 1 |"
+    assert main([str(tmp_path), "--moves"]) == 0
+    assert main(["--moves"]) == 2

@@ -10,17 +10,28 @@ games. The interval is Wilson's over all those games, seeds pooled; the seeds' o
 stand beside it, as the seed spread is the comparison's::
 
     python -m atgrpo.experiments.match_table runs/compare-textarena-kuhn random rule
+
+``--moves`` prints instead what each run played in training, from its ``samples.jsonl``: the
+bracketed moves of every sampled answer (the primed ``env.answer_prefix`` in front), counted by
+quarter of the run's steps, invalid moves apart. A run whose samples are one move throughout has
+collapsed onto it (self-play that only checks never meets a bet, so never learns to answer one).
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from atgrpo.experiments.intervals import wilson
+
+_MOVE = re.compile(r"\[([^\[\]]*)\]")  # TextArena's bracketed move: the first one counts
 
 
 @dataclass(frozen=True)
@@ -96,11 +107,46 @@ def table(root: Path, opponents: list[str], split: str = "test") -> str:
     return "\n".join(lines)
 
 
+def training_moves(run: Path, prefix: str, steps: int, parts: int = 4) -> list[dict[str, int]]:
+    """The moves a run sampled in training, counted per ``parts`` equal spans of its ``steps``:
+    the first bracketed move of ``prefix`` + the answer, ``invalid`` where the game refused it."""
+    spans: list[collections.Counter[str]] = [collections.Counter() for _ in range(parts)]
+    with (run / "samples.jsonl").open(encoding="utf-8") as rows:
+        for line in rows:
+            row = json.loads(line)
+            span = min(parts - 1, (row["step"] - 1) * parts // steps)
+            found = _MOVE.search(prefix + row["response"])
+            invalid = not row["valid"] or (row.get("info") or {}).get("invalid_move")
+            move = "invalid" if invalid or found is None else found.group(1).strip().lower()
+            spans[span][move] += 1
+    return [dict(c.most_common()) for c in spans]
+
+
+def moves_table(root: Path) -> str:
+    """Each run's training moves by quarter of its steps (:func:`training_moves`)."""
+    lines = ["| method | seed | " + " | ".join(f"steps, quarter {q}" for q in range(1, 5)) + " |"]
+    lines.append("|---|---|" + "---|" * 4)
+    for method in sorted(p for p in (root / "runs").glob("*/*") if p.is_dir()):
+        for run in sorted(p for p in method.glob("seed*") if (p / "samples.jsonl").is_file()):
+            cfg = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+            prefix = cfg["env"].get("answer_prefix") or ""
+            spans = training_moves(run, prefix, cfg["train"]["steps"])
+            cells = [", ".join(f"{m} {n}" for m, n in span.items()) or "-" for span in spans]
+            lines.append(f"| {method.name} | {run.name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
-        print("usage: python -m atgrpo.experiments.match_table ROOT OPPONENT...", file=sys.stderr)
+    moves = "--moves" in argv
+    args = [a for a in argv if a != "--moves"]
+    if not args or (len(args) < 2 and not moves):
+        print(
+            "usage: python -m atgrpo.experiments.match_table ROOT OPPONENT...  "
+            "(or ROOT --moves: the moves each run played in training)",
+            file=sys.stderr,
+        )
         return 2
-    print(table(Path(argv[0]), argv[1:]))
+    print(moves_table(Path(args[0])) if moves else table(Path(args[0]), args[1:]))
     return 0
 
 
