@@ -14,7 +14,7 @@ pytest.importorskip("textarena")
 
 from atgrpo.config import ConfigError, load_config
 from atgrpo.envs import check_env, make_env
-from atgrpo.envs.textarena import TextArenaEnv
+from atgrpo.envs.textarena import ACTION_CHARS, TextArenaEnv
 from atgrpo.envs.textarena_opponents import (
     RandomOpponent,
     RuleOpponent,
@@ -22,7 +22,16 @@ from atgrpo.envs.textarena_opponents import (
     legal_moves,
 )
 
-NAMED_GAMES = ("KuhnPoker-v0", "TicTacToe-v0", "SimpleNegotiation-v0", "LiarsDice-v0")
+NAMED_GAMES = (
+    "KuhnPoker-v0",
+    "TicTacToe-v0",
+    "SimpleNegotiation-v0",
+    "LiarsDice-v0",
+    "ConnectFour-v0",
+    "Nim-v0",
+    "IteratedPrisonersDilemma-v0",
+    "GameOfPureStrategy-v0",
+)
 
 
 def _env(game: str = "KuhnPoker-v0", *overrides: str) -> TextArenaEnv:
@@ -117,6 +126,20 @@ def test_the_answer_prefix_is_primed_and_the_game_reads_it_with_the_completion()
     plain.reset(seed=0)
     assert plain.observe(mover)[-1]["role"] == "user"
     assert not plain.step("check] because").valid
+
+
+def test_the_game_reads_a_long_answer_up_to_its_cap_and_the_cut_is_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ConnectFour reads a move with `.*\\[(\\d+)\\].*`: minutes on a 1 MB answer uncut."""
+    env = _env("ConnectFour-v0")
+    env.reset(seed=0)
+    read: list[int] = []
+    step = env.game.step
+    monkeypatch.setattr(env.game, "step", lambda action: read.append(len(action)) or step(action))
+    cut = env.step("[3]" + "x" * 1_000_000)
+    assert read == [ACTION_CHARS] and cut.valid and cut.info["answer_cut_at"] == ACTION_CHARS
+    assert "answer_cut_at" not in env.step("[3] short").info
 
 
 @pytest.mark.parametrize("game", NAMED_GAMES)

@@ -46,6 +46,10 @@ from atgrpo.splits import SEED_RANGES, Split
 # interleaving their swaps.
 _GLOBAL_RANDOM = threading.RLock()
 MESSAGE_CHARS = 600  # a longer message (a rambling answer) is cut in prompts, not in the game
+# The game reads at most this much of an answer: some games' move patterns take time quadratic in
+# the text (ConnectFour's `.*\[(\d+)\].*` ran for minutes on a 1 MB answer); 4,096 characters
+# is over 1,000 tokens of English, and a move stands near an answer's start.
+ACTION_CHARS = 4096
 ANSWER_HINT = (
     "It is your turn, {name}. Reply with your next move in the bracketed form the rules above "
     "give; only that bracketed move is read."
@@ -278,10 +282,13 @@ class TextArenaEnv(TurnBasedEnv[int]):
             raise RuntimeError("step() called on a finished episode; call reset() first")
         agent_id = self.agent_selection
         pid = self.possible_agents.index(agent_id)
-        invalid, messages = self._move(pid, self.answer_prefix(agent_id) + action)
+        answer = self.answer_prefix(agent_id) + action
+        invalid, messages = self._move(pid, answer[:ACTION_CHARS])
         self._follow_game(played=agent_id)
         team = self._standing(pid)
         info: dict[str, Any] = {"player": pid, "invalid_move": invalid, "game_messages": messages}
+        if len(answer) > ACTION_CHARS:  # what the game did not read is said, not lost
+            info["answer_cut_at"] = ACTION_CHARS
         if (outcome := self.outcome) is not None:
             info["outcome"] = outcome
         local = -self.config.invalid_move_penalty if invalid else 0.0
