@@ -22,11 +22,11 @@ from atgrpo.envs.textarena_opponents import (
     legal_moves,
 )
 
+# The games with a legal-move generator (the random opponent, the playout credit), then the
+# others docs/textarena.md names.
+LEGAL_MOVE_GAMES = ("KuhnPoker-v0", "TicTacToe-v0", "SimpleNegotiation-v0", "LiarsDice-v0")
 NAMED_GAMES = (
-    "KuhnPoker-v0",
-    "TicTacToe-v0",
-    "SimpleNegotiation-v0",
-    "LiarsDice-v0",
+    *LEGAL_MOVE_GAMES,
     "ConnectFour-v0",
     "Nim-v0",
     "IteratedPrisonersDilemma-v0",
@@ -203,7 +203,7 @@ def test_the_tictactoe_rule_wins_then_blocks() -> None:
 
 
 def test_the_random_opponent_plays_only_legal_moves() -> None:
-    for game in NAMED_GAMES:
+    for game in LEGAL_MOVE_GAMES:
         env = _env(game, "env.playouts=0")
         env.reset(seed=0)
         env.set_opponents({env.possible_agents[1]: RandomOpponent()})
