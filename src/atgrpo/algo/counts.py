@@ -50,4 +50,6 @@ def count(samples: list[Sample], settings: UpdateSettings, parallel: DataParalle
         parallel.all_reduce(counts)
     tokens, seqs, signal, computed = (int(c) for c in counts[:4])
     per_agent = dict(zip(agents, (int(c) for c in counts[4:]), strict=True))
-    return Counts(per_agent, tokens, seqs, bool(signal), computed)
+    return Counts(
+        agent_tokens=per_agent, tokens=tokens, seqs=seqs, signal=bool(signal), computed=computed
+    )
