@@ -67,7 +67,7 @@ class PolicyWorker:
         self.shards: dict[str, sharding.ShardedPolicy] = {}  # set by join() when sharded
         first = next(iter(self.policies.values()))
         self.device = next(first.model.parameters()).device
-        self.group: DataParallel | None = None  # set by join() when the group has several ranks
+        self.parallel: DataParallel | None = None  # set by join() when the group has several ranks
 
     @property
     def joins(self) -> bool:
@@ -94,7 +94,7 @@ class PolicyWorker:
     def join(self, init_method: str) -> None:
         """Join the group's process group; every rank starts from rank 0's trainable weights,
         and its rollout engines from those (after the group: see ``__init__``)."""
-        self.group = join_process_group(  # gloo for CPU tensors, NCCL for CUDA ones
+        self.parallel = join_process_group(  # gloo for CPU tensors, NCCL for CUDA ones
             init_method, self.rank, self.world_size, self.device, self.sharded
         )
         with torch.no_grad():
@@ -149,7 +149,7 @@ class PolicyWorker:
         """One PPO step on this rank's shard of the driver's mini-batches (the whole batch when
         the group has one rank)."""
         torch.set_rng_state(rng_state)  # dropout, if any, draws as the driver's process would
-        return ppo_update(self.policies[policy_id], samples, settings, self.group)
+        return ppo_update(self.policies[policy_id], samples, settings, self.parallel)
 
     def sleep_engine(self, policy_id: str) -> None:
         self.generators[policy_id].sleep()
