@@ -142,6 +142,23 @@ def test_the_game_reads_a_long_answer_up_to_its_cap_and_the_cut_is_recorded(
     assert "answer_cut_at" not in env.step("[3] short").info
 
 
+def test_playouts_change_no_game_so_held_out_matches_leave_them_out() -> None:
+    from atgrpo.envs import Split
+    from atgrpo.experiments.matches import _game
+
+    credited, plain = _env("KuhnPoker-v0", "env.playouts=8"), _env("KuhnPoker-v0", "env.playouts=0")
+    for env in (credited, plain):
+        env.reset(seed=5)
+        env.set_opponents({env.possible_agents[1]: RandomOpponent()})
+    rng = random.Random(0)
+    while not credited.done:
+        move = rng.choice(legal_moves(credited.game, credited.game.state.current_player_id))
+        a, b = credited.step(move), plain.step(move)
+        assert a.info == b.info and _view(credited) == _view(plain)
+    cfg = load_config(None, ["env.name=textarena", "env.game=KuhnPoker-v0", "env.playouts=8"])
+    assert _game(cfg, seed=5, split=Split.TEST).config.playouts == 0
+
+
 @pytest.mark.parametrize("game", NAMED_GAMES)
 def test_check_env_passes_on_every_named_game(game: str) -> None:
     env = _env(game, "env.playouts=2")

@@ -130,7 +130,9 @@ def _play_seat(
 
 
 def _game(cfg: Config, seed: int, split: Split) -> TextArenaEnv:
-    env = make_env(cfg.env)
+    """One held-out game. A match reads only each game's outcome, so no move's playout credit
+    is computed (``env.playouts`` draws from its own seeds: the games are the same without)."""
+    env = make_env(cfg.env.model_copy(update={"playouts": 0}))
     assert isinstance(env, TextArenaEnv)  # checked by seats_report
     env.reset(seed=seed, options={"split": split.value})
     return env
