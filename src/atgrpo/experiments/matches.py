@@ -20,7 +20,7 @@ from typing import Any
 
 from atgrpo.config import Config, ConfigError
 from atgrpo.envs import Split, make_env, split_seeds
-from atgrpo.envs.textarena import TextArenaEnv
+from atgrpo.envs.textarena import TextArenaConfig, TextArenaEnv
 from atgrpo.envs.textarena_opponents import fixed_opponent
 from atgrpo.experiments.intervals import wilson
 from atgrpo.training.evaluation import seeded_rollout
@@ -132,8 +132,10 @@ def _play_seat(
 def _game(cfg: Config, seed: int, split: Split) -> TextArenaEnv:
     """One held-out game. A match reads only each game's outcome, so no move's playout credit
     is computed (``env.playouts`` draws from its own seeds: the games are the same without)."""
-    env = make_env(cfg.env.model_copy(update={"playouts": 0}))
-    assert isinstance(env, TextArenaEnv)  # checked by seats_report
+    section = cfg.env
+    assert isinstance(section, TextArenaConfig)  # checked by seats_report
+    env = make_env(section.model_copy(update={"playouts": 0}))
+    assert isinstance(env, TextArenaEnv)
     env.reset(seed=seed, options={"split": split.value})
     return env
 
