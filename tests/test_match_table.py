@@ -84,6 +84,12 @@ def test_training_moves_count_each_quarter_of_the_steps_with_the_primed_prefix(
     assert got == [{"check": 2}, {"invalid": 1}, {"fold": 1}, {"invalid": 1}]
     (run / "config.yaml").write_text("env: {answer_prefix: 'My move is ['}\ntrain: {steps: 8}\n")
     table_rows = moves_table(tmp_path).splitlines()
-    assert table_rows[2] == "| at-grpo | seed0 | check 2 | invalid 1 | fold 1 | invalid 1 |"
+    assert table_rows[2] == "| at-grpo | seed0 | check 2 | invalid 1 | fold 1 | invalid 1 | - |"
+    steps = [{"step": 1, "loss/skipped": True}, {"step": 2, "loss/skipped": False}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in steps) + "\n")
+    assert moves_table(tmp_path).splitlines()[2].endswith("| invalid 1 | 1 of 2 |")
+    per_role = [{"step": 1, "loss/first/skipped": True, "loss/second/skipped": True}]
+    (run / "metrics.jsonl").write_text(json.dumps(per_role[0]) + "\n")
+    assert moves_table(tmp_path).splitlines()[2].endswith("| first 1 of 1, second 1 of 1 |")
     assert main([str(tmp_path), "--moves"]) == 0
     assert main(["--moves"]) == 2

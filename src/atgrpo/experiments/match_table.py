@@ -122,16 +122,34 @@ def training_moves(run: Path, prefix: str, steps: int, parts: int = 4) -> list[d
     return [dict(c.most_common()) for c in spans]
 
 
+def skipped_updates(run: Path) -> str:
+    """How many of a run's steps skipped each policy's update (no sample with signal: every
+    advantage 0), from ``loss/<policy>/skipped`` (``loss/skipped`` for one policy); a step
+    logged again after a resume counts once."""
+    per_step: dict[str, dict[int, bool]] = collections.defaultdict(dict)
+    with (run / "metrics.jsonl").open(encoding="utf-8") as rows:
+        for line in rows:
+            row = json.loads(line)
+            for key, value in row.items():
+                if key.startswith("loss/") and key.endswith("/skipped"):  # loss/skipped too
+                    policy = key.removeprefix("loss/").removesuffix("skipped").rstrip("/")
+                    per_step[policy][row.get("step", -1)] = bool(value)
+    counts = {p: (sum(steps.values()), len(steps)) for p, steps in per_step.items()}
+    return ", ".join(f"{p + ' ' if p else ''}{n} of {of}" for p, (n, of) in counts.items()) or "-"
+
+
 def moves_table(root: Path) -> str:
-    """Each run's training moves by quarter of its steps (:func:`training_moves`)."""
-    lines = ["| method | seed | " + " | ".join(f"steps, quarter {q}" for q in range(1, 5)) + " |"]
-    lines.append("|---|---|" + "---|" * 4)
+    """Each run's training moves by quarter of its steps (:func:`training_moves`) and its
+    skipped updates (:func:`skipped_updates`)."""
+    quarters = " | ".join(f"steps, quarter {q}" for q in range(1, 5))
+    lines = [f"| method | seed | {quarters} | updates skipped |", "|---|---|" + "---|" * 5]
     for method in sorted(p for p in (root / "runs").glob("*/*") if p.is_dir()):
         for run in sorted(p for p in method.glob("seed*") if (p / "samples.jsonl").is_file()):
             cfg = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
             prefix = cfg["env"].get("answer_prefix") or ""
             spans = training_moves(run, prefix, cfg["train"]["steps"])
             cells = [", ".join(f"{m} {n}" for m, n in span.items()) or "-" for span in spans]
+            cells.append(skipped_updates(run) if (run / "metrics.jsonl").is_file() else "-")
             lines.append(f"| {method.name} | {run.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
