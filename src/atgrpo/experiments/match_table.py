@@ -83,14 +83,20 @@ def _tally(folder: Path, opponent: str, split: str) -> Tally | None:
     return own_seats(json.loads(found[-1].read_text(encoding="utf-8")))
 
 
+def _methods(root: Path) -> list[tuple[Path, list[Path]]]:
+    """Each method folder of a comparison under ``root/runs/<benchmark>/`` with its seed runs
+    (the ``seed<n>`` folders, not the comparison's ``seed<n>.log`` or ``.claim`` beside them)."""
+    methods = sorted(p for p in (root / "runs").glob("*/*") if p.is_dir())
+    return [(m, sorted(p for p in m.glob("seed*") if p.is_dir())) for m in methods]
+
+
 def table(root: Path, opponents: list[str], split: str = "test") -> str:
     """The Markdown table: a row per trained method and opponent, before and after training."""
     lines = [
         "| method | opponent | before training | after, per seed | after, seeds pooled |",
         "|---|---|---|---|---|",
     ]
-    for method in sorted(p for p in (root / "runs").glob("*/*") if p.is_dir()):
-        seeds = sorted(p for p in method.glob("seed*") if p.is_dir())  # not seedN.log, .claim
+    for method, seeds in _methods(root):
         for opponent in opponents:
             before = _tally(root / "untrained", opponent, split)
             after = {s.name: _tally(s, opponent, split) for s in seeds}
@@ -143,8 +149,8 @@ def moves_table(root: Path) -> str:
     skipped updates (:func:`skipped_updates`)."""
     quarters = " | ".join(f"steps, quarter {q}" for q in range(1, 5))
     lines = [f"| method | seed | {quarters} | updates skipped |", "|---|---|" + "---|" * 5]
-    for method in sorted(p for p in (root / "runs").glob("*/*") if p.is_dir()):
-        for run in sorted(p for p in method.glob("seed*") if (p / "samples.jsonl").is_file()):
+    for method, seeds in _methods(root):
+        for run in (s for s in seeds if (s / "samples.jsonl").is_file()):
             cfg = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
             prefix = cfg["env"].get("answer_prefix") or ""
             spans = training_moves(run, prefix, cfg["train"]["steps"])
