@@ -70,29 +70,31 @@ compare-loop: $(VENV)/.model $(VENV)/.data
 	done; for p in $$pids; do wait $$p || exit 1; done
 	for f in $(LOOP_COMPARISONS); do $(VENV)/bin/atgrpo compare configs/compare/$$f.yaml || exit 1; done
 
-# TextArena's Kuhn Poker at CPU scale (docs/textarena.md, docs/results/textarena.md): TRAINERS
-# `--train` processes share the grid of configs/compare/textarena-kuhn.yaml (4 rows x 3 seeds),
-# then every finished run and the untrained model play the random and the rule-based opponent
-# (100 games a seat, both seats), then the win-rate table. Hours on 2 cores; run it again to
-# go on where it stopped (an evaluation already written is not redone).
-KUHN := runs/compare-textarena-kuhn
+# A TextArena game at CPU scale (docs/textarena.md, docs/results/textarena.md), GAME=kuhn
+# (Kuhn Poker, the default) or GAME=tictactoe: TRAINERS `--train` processes share the grid of
+# configs/compare/textarena-$(GAME).yaml (4 rows x 3 seeds), then every finished run and the
+# untrained model play the random and the rule-based opponent (100 games a seat, both seats),
+# then the win-rate table. Hours on 2 cores; run it again to go on where it stopped (an
+# evaluation already written is not redone).
+GAME ?= kuhn
+GAME_RUNS = runs/compare-textarena-$(GAME)
 .PHONY: compare-textarena
 compare-textarena: $(VENV)/.model $(VENV)/.test
 	$(VENV)/bin/atgrpo models prepare
 	pids=""; for i in $$(seq $(TRAINERS)); do \
-	  OMP_NUM_THREADS=1 $(VENV)/bin/atgrpo compare configs/compare/textarena-kuhn.yaml --train & \
+	  OMP_NUM_THREADS=1 $(VENV)/bin/atgrpo compare configs/compare/textarena-$(GAME).yaml --train & \
 	  pids="$$pids $$!"; sleep 5; \
 	done; for p in $$pids; do wait $$p || exit 1; done
 	for opp in random rule; do \
-	  [ -f $(KUHN)/untrained/eval-test-vs-$$opp.json ] || $(VENV)/bin/atgrpo eval \
-	    configs/textarena/kuhn-selfplay.yaml --opponent $$opp --num-tasks 100 \
-	    run.output_dir=$(KUHN) run.name=untrained || exit 1; \
-	  for run in $(KUHN)/runs/*/*/seed*/; do \
+	  [ -f $(GAME_RUNS)/untrained/eval-test-vs-$$opp.json ] || $(VENV)/bin/atgrpo eval \
+	    configs/textarena/$(GAME)-selfplay.yaml --opponent $$opp --num-tasks 100 \
+	    run.output_dir=$(GAME_RUNS) run.name=untrained || exit 1; \
+	  for run in $(GAME_RUNS)/runs/*/*/seed*/; do \
 	    ls $$run/checkpoints/*/eval-test-vs-$$opp.json >/dev/null 2>&1 || $(VENV)/bin/atgrpo eval $$run/config.yaml \
 	      --checkpoint $$run --opponent $$opp --num-tasks 100 || exit 1; \
 	  done; \
 	done
-	$(VENV)/bin/python -m atgrpo.experiments.match_table $(KUHN) random rule
+	$(VENV)/bin/python -m atgrpo.experiments.match_table $(GAME_RUNS) random rule
 
 # The default tier: unit and smoke tests on a tiny in-process model; no network, no download.
 # pytest's exit 5 ("no tests collected") is a failure, not a pass.

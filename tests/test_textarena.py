@@ -128,6 +128,29 @@ def test_the_answer_prefix_is_primed_and_the_game_reads_it_with_the_completion()
     assert not plain.step("check] because").valid
 
 
+def _after_two_moves(observation: str) -> str:
+    """Player 0's prompt after an opening on square 4 and a reply on square 0."""
+    env = _env("TicTacToe-v0", f"env.observation={observation}")
+    env.reset(seed=0)
+    env.step("[4] since the centre is strong")
+    env.step("[0]")
+    return str(env.observe(env.agent_selection)[-1]["content"])
+
+
+def test_the_observation_mode_decides_what_a_prompt_shows_of_the_game() -> None:
+    """history shows every answer and board; game_messages the game's words and the latest
+    board; board the latest board alone, as TextArena's three observation wrappers do."""
+    history, messages, board = map(_after_two_moves, ("history", "game_messages", "board"))
+    latest = " X | 1 | 2 \n---+---+---\n 3 | O | 5"
+    for prompt in (history, messages, board):
+        assert latest in prompt and prompt.endswith("only that bracketed move is read.")
+    assert "the centre is strong" in history and history.count("Current Board") == 3
+    assert "the centre is strong" not in messages and messages.count("Current Board") == 1
+    assert "placed their symbol (O) in cell 4" in messages
+    assert board.count("[GAME]") == 1 and "placed their symbol" not in board
+    assert messages.index("in cell 0") < messages.index(latest)  # the board comes last
+
+
 def test_the_game_reads_a_long_answer_up_to_its_cap_and_the_cut_is_recorded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -172,6 +195,7 @@ def test_check_env_passes_on_every_named_game(game: str) -> None:
         (["env.players=[a, b, c]"], "cannot be played by 3 player(s)"),
         (["env.game_kwargs={rounds: 2}"], "env.game_kwargs do not fit 'KuhnPoker-v0'"),
         (["env.players=[a, a]"], "names an agent twice"),
+        (["env.observation=boards"], "'history', 'game_messages' or 'board' (got 'boards')"),
     ],
 )
 def test_a_bad_game_section_is_one_line_at_load_time(overrides: list[str], message: str) -> None:

@@ -88,6 +88,15 @@ class TextArenaConfig(FamilyConfig):
         "as in Kuhn Poker's [bet]): the model continues it and the game reads prefix + "
         'completion; "" = none.',
     )
+    observation: Literal["history", "game_messages", "board"] = Field(
+        default="history",
+        description="What a player's prompt shows after the rules, as TextArena's observation "
+        "wrappers do: history = everything the player has seen, the players' answers included "
+        "(LLMObservationWrapper); game_messages = the game's messages without the players' "
+        "answers or the game's admin notes, and only the latest board "
+        "(GameMessagesAndCurrentBoardObservationWrapper); board = only the latest board "
+        "(GameBoardObservationWrapper).",
+    )
     playouts: int = Field(
         default=8,
         ge=0,
@@ -258,18 +267,14 @@ class TextArenaEnv(TurnBasedEnv[int]):
         return self.config.answer_prefix
 
     def _prompt(self, agent_id: str) -> list[Message]:
-        """The game's prompt as the system message, then everything the player has seen (the
-        game's messages and the players' moves, in order) and whose turn it is."""
-        from textarena.core import GAME_ID, ObservationType
+        """The game's rules as the system message, then what ``env.observation`` shows of what
+        the player has seen, in order, and whose turn it is."""
+        from textarena.core import ObservationType
 
         seen = self.game.state.observations[self.possible_agents.index(agent_id)]
         rules = [m for _, m, kind in seen if kind == ObservationType.PROMPT]
-        lines = [
-            f"[{'GAME' if sender == GAME_ID else f'Player {sender}'}] {_cut(str(m))}"
-            for sender, m, kind in seen
-            if kind != ObservationType.PROMPT
-        ]
         name = f"Player {self.possible_agents.index(agent_id)}"
+        lines = _observed(seen, self.config.observation)
         user = "\n".join([*lines, "", ANSWER_HINT.format(name=name)]).strip()
         return [{"role": "system", "content": "\n".join(rules)}, {"role": "user", "content": user}]
 
@@ -375,6 +380,27 @@ class TextArenaEnv(TurnBasedEnv[int]):
     def clone(self) -> Self:
         """A deep copy: the game, its RNG state and the opponents' RNG are the copy's own."""
         return copy.deepcopy(self)
+
+
+def _observed(seen: list[tuple[int, Any, Any]], observation: str) -> list[str]:
+    """The prompt lines of the messages a player has seen (``(sender, message, kind)``, rules
+    left out) under ``env.observation``; as TextArena's wrappers, a board is the latest one."""
+    from textarena.core import GAME_ID
+    from textarena.core import ObservationType as Kind
+
+    boards = [i for i, (_, _, kind) in enumerate(seen) if kind == Kind.GAME_BOARD]
+    hidden = {
+        "history": {Kind.PROMPT},
+        "game_messages": {Kind.PROMPT, Kind.PLAYER_ACTION, Kind.GAME_ADMIN, Kind.GAME_BOARD},
+        "board": set(Kind),
+    }[observation]
+    shown = [i for i, (_, _, kind) in enumerate(seen) if kind not in hidden]
+    if observation != "history":
+        shown += boards[-1:]  # the latest board last, as the wrappers put it
+    return [
+        f"[{'GAME' if seen[i][0] == GAME_ID else f'Player {seen[i][0]}'}] {_cut(str(seen[i][1]))}"
+        for i in shown
+    ]
 
 
 def game_seed(seed: int, split: Split) -> int:
