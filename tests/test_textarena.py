@@ -165,6 +165,43 @@ def test_the_game_reads_a_long_answer_up_to_its_cap_and_the_cut_is_recorded(
     assert "answer_cut_at" not in env.step("[3] short").info
 
 
+def _movers(env: TextArenaEnv) -> list[str]:
+    """The agents the rollout is asked to move until the game ends (each plays ``[check]`` or
+    ``[call]``, legal in every Kuhn position but a fold's)."""
+    movers = []
+    while not env.done:
+        movers.append(env.agent_selection)
+        moves = legal_moves(env.game, env.possible_agents.index(env.agent_selection)) or []
+        env.step(next(m for m in ("[check]", "[call]", "[fold]") if m in moves))
+    return movers
+
+
+def test_a_training_opponent_takes_one_seat_of_a_share_of_training_games_only() -> None:
+    share = ("env.train_opponent=random", "env.game_kwargs={max_rounds: 1}")
+    seated = []
+    for seed in range(40):
+        env = _env("KuhnPoker-v0", *share)
+        env.reset(seed=seed, options={"split": "train"})
+        sibling = env.clone()
+        movers = _movers(env)
+        assert movers == _movers(sibling)  # a copy plays the same seats: the draw is the game's
+        seated.append(len(set(movers)) == 1)
+        if seated[-1]:
+            assert env.infos[movers[0]]["train_opponent"] == {
+                next(a for a in env.possible_agents if a not in movers): "random"
+            }
+    assert 10 < sum(seated) < 30  # the default share, one half
+    for split in ("validation", "test"):
+        held_out = _env("KuhnPoker-v0", *share)
+        held_out.reset(seed=3, options={"split": split})
+        assert sorted(set(_movers(held_out))) == ["player_0", "player_1"]
+    always = _env("KuhnPoker-v0", *share, "env.train_opponent_share=1")
+    never = _env("KuhnPoker-v0", *share, "env.train_opponent_share=0")
+    for env, seats in ((always, 1), (never, 2)):
+        env.reset(seed=5, options={"split": "train"})
+        assert len(set(_movers(env))) == seats
+
+
 def test_playouts_change_no_game_so_held_out_matches_leave_them_out() -> None:
     from atgrpo.envs import Split
     from atgrpo.experiments.matches import _game
@@ -196,6 +233,10 @@ def test_check_env_passes_on_every_named_game(game: str) -> None:
         (["env.game_kwargs={rounds: 2}"], "env.game_kwargs do not fit 'KuhnPoker-v0'"),
         (["env.players=[a, a]"], "names an agent twice"),
         (["env.observation=boards"], "'history', 'game_messages' or 'board' (got 'boards')"),
+        (
+            ["env.game=SimpleNegotiation-v0", "env.train_opponent=rule"],
+            "env.train_opponent: no rule-based opponent for SimpleNegotiationEnv",
+        ),
     ],
 )
 def test_a_bad_game_section_is_one_line_at_load_time(overrides: list[str], message: str) -> None:

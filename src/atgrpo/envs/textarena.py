@@ -19,6 +19,11 @@ configured, so ``import atgrpo.envs`` stays free of it.
   reward is ``-env.invalid_move_penalty`` for an invalid move, 0 otherwise; the invalid move
   itself follows the game's own rule (a retry, then a loss). ``StepOutcome.valid`` is False
   for an invalid move, so ``reward/<agent>/valid`` is 1 minus the agent's invalid-move rate.
+* **Training opponents.** ``env.train_opponent`` (``random`` or ``rule``) seats a fixed player
+  in a share of the training games (``env.train_opponent_share``): one seat, drawn with the
+  game from its seed, is played by the env, so those games train only the other seats. A
+  self-play policy that has collapsed onto one move (Kuhn Poker's ``check``) still meets the
+  moves it never plays itself. Held-out games never draw one.
 * **Copies and randomness.** TextArena games draw from the global ``random`` module (seeded by
   ``reset``). Each env carries its own RNG state and swaps it in around every call into the
   game, under a lock, so a copy (``clone()``, a deep copy) neither shares state with its
@@ -38,7 +43,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, model_validator
 
 from atgrpo.envs.base import FamilyConfig, Message, StepOutcome, TurnBasedEnv, Workflow
-from atgrpo.envs.textarena_opponents import Opponent, legal_moves
+from atgrpo.envs.textarena_opponents import Opponent, fixed_opponent, legal_moves
 from atgrpo.splits import SEED_RANGES, Split
 
 # TextArena's games share the interpreter's global `random`; an env swaps its own state in
@@ -96,6 +101,18 @@ class TextArenaConfig(FamilyConfig):
         "answers or the game's admin notes, and only the latest board "
         "(GameMessagesAndCurrentBoardObservationWrapper); board = only the latest board "
         "(GameBoardObservationWrapper).",
+    )
+    train_opponent: Literal["none", "random", "rule"] = Field(
+        default="none",
+        description="A fixed player (random legal moves, or the game's rule) that takes one "
+        "seat, drawn from the game's seed, in a share of the training games; those games train "
+        "only the other seats. none = every seat is a policy's.",
+    )
+    train_opponent_share: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="The share of training games in which env.train_opponent takes a seat.",
     )
     playouts: int = Field(
         default=8,
@@ -160,6 +177,11 @@ def check_game(config: TextArenaConfig) -> None:
             f"env.game {config.game!r} cannot be played by {n} player(s) ({exc}); name one "
             "agent per player in env.players"
         ) from None
+    if config.train_opponent != "none":
+        try:
+            fixed_opponent(config.train_opponent, game)
+        except ValueError as exc:
+            raise ValueError(f"env.train_opponent: {exc}") from None
     try:
         copy.deepcopy(game)
     except Exception as exc:  # the game's own objects: say which, in one line
@@ -204,7 +226,8 @@ class TextArenaEnv(TurnBasedEnv[int]):
         self._game: Any = None
         self._rng_state: tuple[Any, ...] = random.Random(0).getstate()  # the game's own RNG
         self._game_seed = 0
-        self._opponents: dict[str, Opponent] = {}  # seats played by a fixed opponent (eval)
+        self._seated: dict[str, Opponent] = {}  # seats a fixed opponent plays (set_opponents)
+        self._drawn: dict[str, Opponent] = {}  # this training game's env.train_opponent seat
         self._opponent_rng = random.Random(0)
 
     # -- episodes -------------------------------------------------------------------------------
@@ -222,14 +245,30 @@ class TextArenaEnv(TurnBasedEnv[int]):
         )
         self.start_episode(seed, split)
         self._opponent_rng = random.Random(f"{self._game_seed}:opponent")
+        self._drawn = self._draw_opponent(split)
         self._follow_game(played=None)
+
+    def _draw_opponent(self, split: Split) -> dict[str, Opponent]:
+        """The seat ``env.train_opponent`` plays in this game, drawn from the game's seed with
+        probability ``env.train_opponent_share``; none in held-out games."""
+        kind = self.config.train_opponent
+        if kind == "none" or split != Split.TRAIN or len(self.possible_agents) < 2:
+            return {}
+        draw = random.Random(f"{self._game_seed}:train-opponent")
+        if draw.random() >= self.config.train_opponent_share:
+            return {}
+        return {draw.choice(self.possible_agents): fixed_opponent(kind, self.game)}
+
+    @property
+    def _opponents(self) -> dict[str, Opponent]:
+        return {**self._drawn, **self._seated}
 
     def set_opponents(self, opponents: dict[str, Opponent]) -> None:
         """Let fixed opponents play these agents' seats (evaluation): their moves are made inside
         :meth:`reset` and :meth:`step`, so the rollout sees only the other agents' turns."""
         if unknown := set(opponents) - set(self.possible_agents):
             raise ValueError(f"unknown agents {sorted(unknown)}; agents: {self.possible_agents}")
-        self._opponents = dict(opponents)
+        self._seated = dict(opponents)
         if self._game is not None and not self.done:
             self._follow_game(played=None)
 
@@ -296,6 +335,8 @@ class TextArenaEnv(TurnBasedEnv[int]):
             info["answer_cut_at"] = ACTION_CHARS
         if (outcome := self.outcome) is not None:
             info["outcome"] = outcome
+        if self._drawn:  # the fixed player of this training game (the viewer shows it)
+            info["train_opponent"] = {a: o.name for a, o in self._drawn.items()}
         local = -self.config.invalid_move_penalty if invalid else 0.0
         outcome_ = StepOutcome(team_reward=team, local_reward=local, valid=not invalid, info=info)
         self.infos[agent_id] = info
