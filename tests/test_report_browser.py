@@ -157,7 +157,10 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     fields = write_fields_run(runs, "fields")  # tool output, cut answers, a tie, eval files
     game = load_config(
         REPO / "configs/textarena/kuhn-selfplay-tiny.yaml",
-        [f"run.output_dir={runs}", "run.name=game", "train.steps=1", "eval.after_training=false"],
+        [
+            *(f"run.output_dir={runs}", "run.name=game", "train.steps=1"),
+            *("env.train_opponent=random", "env.train_opponent_share=1"),  # a seat is random's
+        ],
     )
     kuhn = train(game).run_dir  # TextArena's Kuhn Poker: the game's own messages on each move
     runs_ = [tiny, new, old, fields, kuhn]
@@ -211,6 +214,8 @@ def test_game_cards_show_each_moves_game_messages(report: Path) -> None:
     said = dom.text("output")  # TextArena's words on the moves: the tiny model's are invalid
     assert "attempted an invalid move" in said, said[:300]
     assert "game (invalid move)" in dom.text("k")
+    info = dom.text("info")  # the random player's seat (a record, as JSON)
+    assert 'train_opponent: {"player_' in info and '": "random"}' in info, info[:300]
 
 
 def test_the_summary_fills_before_after_from_the_eval_files(report: Path) -> None:
