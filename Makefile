@@ -71,13 +71,15 @@ compare-loop: $(VENV)/.model $(VENV)/.data
 	for f in $(LOOP_COMPARISONS); do $(VENV)/bin/atgrpo compare configs/compare/$$f.yaml || exit 1; done
 
 # A TextArena game at CPU scale (docs/textarena.md, docs/results/textarena.md), GAME=kuhn
-# (Kuhn Poker, the default) or GAME=tictactoe: TRAINERS `--train` processes share the grid of
+# (Kuhn Poker, the default), kuhn-mixed (the random player in half its training games) or
+# tictactoe: TRAINERS `--train` processes share the grid of
 # configs/compare/textarena-$(GAME).yaml (4 rows x 3 seeds), then every finished run and the
 # untrained model play the random and the rule-based opponent (MATCH_GAMES a seat, both seats),
 # then the win-rate table. Hours on 2 cores; run it again to go on where it stopped (an
 # evaluation already written is not redone).
 GAME ?= kuhn
 GAME_RUNS = runs/compare-textarena-$(GAME)
+GAME_CONFIG = configs/textarena/$(firstword $(subst -, ,$(GAME)))-selfplay.yaml
 MATCH_GAMES ?= 100
 .PHONY: compare-textarena
 compare-textarena: $(VENV)/.model $(VENV)/.test
@@ -88,7 +90,7 @@ compare-textarena: $(VENV)/.model $(VENV)/.test
 	done; for p in $$pids; do wait $$p || exit 1; done
 	for opp in random rule; do \
 	  [ -f $(GAME_RUNS)/untrained/eval-test-vs-$$opp.json ] || $(VENV)/bin/atgrpo eval \
-	    configs/textarena/$(GAME)-selfplay.yaml --opponent $$opp --num-tasks $(MATCH_GAMES) \
+	    $(GAME_CONFIG) --opponent $$opp --num-tasks $(MATCH_GAMES) \
 	    run.output_dir=$(GAME_RUNS) run.name=untrained || exit 1; \
 	  for run in $(GAME_RUNS)/runs/*/*/seed*/; do \
 	    ls $$run/checkpoints/*/eval-test-vs-$$opp.json >/dev/null 2>&1 || $(VENV)/bin/atgrpo eval $$run/config.yaml \
