@@ -72,7 +72,7 @@ compare-loop: $(VENV)/.model $(VENV)/.data
 
 # A TextArena game at CPU scale (docs/textarena.md, docs/results/textarena.md), GAME=kuhn
 # (Kuhn Poker, the default), kuhn-mixed (the random player in half its training games) or
-# tictactoe: TRAINERS `--train` processes share the grid of
+# tictactoe (Tic-Tac-Toe, the random player in half its training games): TRAINERS `--train` processes share the grid of
 # configs/compare/textarena-$(GAME).yaml (4 rows x 3 seeds), then every finished run and the
 # untrained model play the random and the rule-based opponent (MATCH_GAMES a seat, both seats),
 # then the win-rate table. Hours on 2 cores; run it again to go on where it stopped (an
