@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from atgrpo.experiments.intervals import (
+    counts_difference,
+    counts_interval,
     difference_interval,
     report_gain,
     report_interval,
@@ -74,3 +76,29 @@ def test_an_evaluation_gets_its_wilson_interval_and_a_training_gain_a_paired_one
     assert gain is not None and gain.mean == pytest.approx(0.30)
     assert 0.2 < gain.low < 0.30 < gain.high < 0.4  # paired: far narrower than two Wilsons
     assert report_gain(after, _tasks([0] * 100, seeds=list(range(1, 101)))) is None  # other tasks
+
+
+def test_counts_of_one_seed_get_wilson_and_of_seeds_that_disagree_a_wider_bootstrap() -> None:
+    one = counts_interval([66], [200])
+    assert one.method == "wilson" and (one.low, one.high) == pytest.approx(wilson(66, 200))
+    agree = counts_interval([66, 66, 66], [200, 200, 200])
+    apart = counts_interval([140, 44, 44], [200, 200, 200])  # one run trained, two did not
+    assert agree.method == "bootstrap" and agree.mean == pytest.approx(0.33)
+    assert agree.low < 0.33 < agree.high
+    assert apart.mean == pytest.approx(0.38)
+    assert apart.high - apart.low > 3 * (agree.high - agree.low)
+    assert counts_interval([140, 44, 44], [200, 200, 200]) == apart  # seeded: reproducible
+    with pytest.raises(ValueError, match="wins and games per seed"):
+        counts_interval([1, 2], [10])
+    with pytest.raises(ValueError, match=r"\[0, games\]"):
+        counts_interval([11], [10])
+
+
+def test_a_counts_difference_is_clear_of_0_only_when_the_seeds_agree() -> None:
+    trained = ([98, 102, 100], [200, 200, 200])
+    untrained = ([41], [200])
+    gain = counts_difference(trained, untrained)
+    assert gain.mean == pytest.approx(0.295) and gain.low > 0.15
+    lucky = counts_difference(([140, 44, 44], [200, 200, 200]), untrained)
+    assert lucky.low < 0 < lucky.high  # one seed of three: not shown
+    assert counts_difference(untrained, trained).high < 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from atgrpo.experiments.match_table import Tally, own_seats, table
+from atgrpo.experiments.match_table import Tally, orderings, own_seats, table
 
 
 def _seat(policy: str, seat: str, wins: int, games: int = 10, invalid: int = 0) -> dict:
@@ -57,8 +57,31 @@ def test_the_table_pools_the_seeds_and_shows_each_and_the_untrained_model(tmp_pa
     random_row = rows[2].split(" | ")
     assert random_row[2] == "40.0 % [21.9, 61.3] of 20, invalid 0 %"  # before: 8 of 20
     assert random_row[3] == "seed0 100 %, seed1 50 %, seed2 -"
-    assert random_row[4].startswith("75.0 % [53.1, 88.8] of 20")  # after: 15 of 20, pooled
+    # after: 15 of 20, seeds pooled; the seeds (10 of 10 and 5 of 10) resampled, then their
+    # games: seed1 drawn twice reaches below its own 50 % (Wilson over the 20 games: [53.1, 88.8])
+    assert random_row[4].startswith("75.0 % [35.0, 100.0] of 20")
     assert rows[3].endswith("| - | seed0 -, seed1 -, seed2 - | - |")  # no rule evaluations
+
+
+def test_the_orderings_set_each_row_against_the_untrained_model_and_the_others(
+    tmp_path: Path,
+) -> None:
+    _write(tmp_path / "untrained", "random", [_seat("shared", "player_0", 20, games=100)], {})
+    rows = {"strong": [70, 72, 68], "weak": [22, 20, 21], "lucky": [90, 20, 21]}
+    for name, wins in rows.items():
+        for seed, won in enumerate(wins):
+            folder = tmp_path / "runs" / "kuhn" / name / f"seed{seed}" / "checkpoints/step-000024"
+            _write(folder, "random", [_seat("shared", "player_0", won, games=100)], {})
+    lines = orderings(tmp_path, ["random"]).splitlines()
+    cells = [line.strip("| ").split(" | ") for line in lines[2:]]  # under the header
+    got = {(c[1], c[2]): (c[3], c[5]) for c in cells}
+    assert len(lines) == 2 + 3 + 3 and len(got) == 6  # each row minus untrained; each pair once
+    assert got[("strong", "untrained")][1] == "above 0"
+    assert got[("strong", "untrained")][0].startswith("+50.0 [")
+    assert got[("weak", "untrained")][1] == "overlaps 0"
+    assert got[("lucky", "strong")][1] == "overlaps 0"  # one seed of three: not an ordering
+    assert got[("strong", "weak")][1] == "above 0"
+    assert orderings(tmp_path, ["rule"]).count("\n") == 1  # no rule evaluations: no rows
 
 
 def test_training_moves_count_each_quarter_of_the_steps_with_the_primed_prefix(

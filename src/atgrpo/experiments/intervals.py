@@ -14,6 +14,9 @@ tasks.
   tasks were held out, and how a training run went.
 * A difference between two cells of one benchmark is paired over tasks: both cells' resamples use
   the same task draws, their seeds drawn independently.
+* A cell known by counts alone (a match's ``wins[s]`` of ``games[s]`` per seed, no outcome per
+  game): Wilson for one seed; for several the same two levels, a drawn seed's games drawn again
+  with replacement (a binomial draw at its own rate). Differences of such cells are unpaired.
 
 Resamples come from a seeded generator, so a table is reproducible.
 """
@@ -96,6 +99,58 @@ def difference_interval(
     diffs = _resampled_means(a, tasks, rng) - _resampled_means(b, tasks, rng)
     low, high = np.percentile(diffs, [2.5, 97.5])
     return Interval(float(a.mean() - b.mean()), float(low), float(high), "bootstrap")
+
+
+def counts_interval(
+    wins: list[int],
+    games: list[int],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> Interval:
+    """The win rate of ``sum(wins)`` of ``sum(games)``, seeds pooled, with its 95 % interval
+    (module docstring: counts alone)."""
+    won, played = _counts(wins, games)
+    mean = float(won.sum() / played.sum())
+    if len(won) == 1:
+        return Interval(mean, *wilson(float(won[0]), int(played[0])), "wilson")
+    rates = _count_rates(won, played, resamples, np.random.default_rng(seed))
+    low, high = np.percentile(rates, [2.5, 97.5])
+    return Interval(mean, float(low), float(high), "bootstrap")
+
+
+def counts_difference(
+    a: tuple[list[int], list[int]],  # (wins, games) per seed
+    b: tuple[list[int], list[int]],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> Interval:
+    """Win rate of ``a`` minus ``b`` (each ``(wins, games)`` per seed), unpaired, with its 95 %
+    interval: both resampled on their own, the seeds and then the games."""
+    (wa, ga), (wb, gb) = _counts(*a), _counts(*b)
+    rng = np.random.default_rng(seed)
+    diffs = _count_rates(wa, ga, resamples, rng) - _count_rates(wb, gb, resamples, rng)
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    mean = float(wa.sum() / ga.sum() - wb.sum() / gb.sum())
+    return Interval(mean, float(low), float(high), "bootstrap")
+
+
+def _counts(wins: list[int], games: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    won, played = np.asarray(wins, dtype=np.int64), np.asarray(games, dtype=np.int64)
+    if won.shape != played.shape or won.ndim != 1 or not len(won) or (played <= 0).any():
+        raise ValueError(f"expected wins and games per seed, games > 0; got {wins} of {games}")
+    if ((won < 0) | (won > played)).any():
+        raise ValueError(f"wins must lie in [0, games]; got {wins} of {games}")
+    return won, played
+
+
+def _count_rates(
+    won: np.ndarray, played: np.ndarray, resamples: int, rng: np.random.Generator
+) -> np.ndarray:
+    """(B,) pooled win rates: draw S seeds with replacement, then each one's games."""
+    seeds = rng.integers(0, len(won), size=(resamples, len(won)))  # (B, S)
+    games = played[seeds]
+    redrawn = rng.binomial(games, won[seeds] / games)
+    return redrawn.sum(axis=1) / games.sum(axis=1)
 
 
 def report_interval(tasks: list[Any]) -> Interval:

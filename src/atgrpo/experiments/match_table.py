@@ -6,8 +6,12 @@ It reads the ``eval-<split>-vs-<opponent>.json`` files that ``atgrpo eval --oppo
 ``<root>/runs/<benchmark>/<method>/seed<n>/checkpoints/step-<N>/`` for the comparison's runs (``make
 compare-textarena`` writes both). A policy counts in the seats the run's routing gave it (a
 shared policy: every seat; a per-role policy: its own), so each row is its trained players'
-games. The interval is Wilson's over all those games, seeds pooled; the seeds' own win rates
-stand beside it, as the seed spread is the comparison's::
+games. The seeds' own win rates stand beside the pooled one, whose 95 % interval resamples the
+seeds and then each one's games (:func:`~atgrpo.experiments.intervals.counts_interval`; Wilson's
+over games for one seed), so a run that went its own way widens it. Below the table, the
+orderings: each row against the untrained model and against every other row, the difference in
+win rate with its interval (both sides resampled the same way, unpaired), and whether it lies
+clear of 0::
 
     python -m atgrpo.experiments.match_table runs/compare-textarena-kuhn random rule
 
@@ -20,6 +24,7 @@ collapsed onto it (self-play that only checks never meets a bet, so never learns
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import re
 import sys
@@ -29,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from atgrpo.experiments.intervals import wilson
+from atgrpo.experiments.intervals import Interval, counts_difference, counts_interval
 
 _MOVE = re.compile(r"\[([^\[\]]*)\]")  # TextArena's bracketed move: the first one counts
 
@@ -51,14 +56,16 @@ class Tally:
             self.moves + other.moves,
         )
 
-    def text(self) -> str:
-        lo, hi = wilson(self.wins, self.games)
-        rate = self.wins / self.games if self.games else 0.0
-        invalid = self.invalid / self.moves if self.moves else 0.0
-        return (
-            f"{100 * rate:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}] of {self.games}, "
-            f"invalid {100 * invalid:.0f} %"
-        )
+
+def _text(seeds: list[Tally]) -> str:
+    """The seeds' games pooled: the win rate with its interval, the games, the invalid moves."""
+    total = sum(seeds, Tally())
+    rate = counts_interval([t.wins for t in seeds], [t.games for t in seeds])
+    invalid = total.invalid / total.moves if total.moves else 0.0
+    return (
+        f"{100 * rate.mean:.1f} % [{100 * rate.low:.1f}, {100 * rate.high:.1f}] of "
+        f"{total.games}, invalid {100 * invalid:.0f} %"
+    )
 
 
 def own_seats(record: dict[str, Any]) -> Tally:
@@ -105,12 +112,46 @@ def table(root: Path, opponents: list[str], split: str = "test") -> str:
                 f"{name} {100 * t.wins / t.games:.0f} %" if t and t.games else f"{name} -"
                 for name, t in after.items()
             )
-            pooled = sum(done, Tally()).text() if done else "-"
             lines.append(
-                f"| {method.name} | {opponent} | {before.text() if before else '-'} "
-                f"| {per_seed} | {pooled} |"
+                f"| {method.name} | {opponent} | {_text([before]) if before else '-'} "
+                f"| {per_seed} | {_text(done) if done else '-'} |"
             )
     return "\n".join(lines)
+
+
+def orderings(root: Path, opponents: list[str], split: str = "test") -> str:
+    """Each trained row minus the untrained model, and minus every other row, per opponent:
+    the difference in win rate (points) with its 95 % interval (module docstring) and where it
+    lies: ``above`` or ``below`` 0, or ``overlaps`` 0."""
+    lines = [
+        "| opponent | row | minus | difference, points [95 %] | seeds | interval |",
+        "|---|---|---|---|---|---|",
+    ]
+    for opponent in opponents:
+        cells = {"untrained": [t for t in [_tally(root / "untrained", opponent, split)] if t]}
+        for method, seeds in _methods(root):
+            cells[method.name] = [t for s in seeds if (t := _tally(s, opponent, split))]
+        trained = [name for name in cells if name != "untrained"]
+        pairs = [(a, "untrained") for a in trained] + list(itertools.combinations(trained, 2))
+        for a, b in pairs:
+            if not cells[a] or not cells[b]:
+                continue
+            diff = counts_difference(_counts(cells[a]), _counts(cells[b]))
+            runs = f"{len(cells[a])} and {len(cells[b])}"
+            lines.append(f"| {opponent} | {a} | {b} | {_points(diff)} | {runs} | {_where(diff)} |")
+    return "\n".join(lines)
+
+
+def _counts(seeds: list[Tally]) -> tuple[list[int], list[int]]:
+    return [t.wins for t in seeds], [t.games for t in seeds]
+
+
+def _points(diff: Interval) -> str:
+    return f"{100 * diff.mean:+.1f} [{100 * diff.low:+.1f}, {100 * diff.high:+.1f}]"
+
+
+def _where(diff: Interval) -> str:
+    return "above 0" if diff.low > 0 else "below 0" if diff.high < 0 else "overlaps 0"
 
 
 def training_moves(run: Path, prefix: str, steps: int, parts: int = 4) -> list[dict[str, int]]:
@@ -170,7 +211,11 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    print(moves_table(Path(args[0])) if moves else table(Path(args[0]), args[1:]))
+    root = Path(args[0])
+    if moves:
+        print(moves_table(root))
+        return 0
+    print(table(root, args[1:]) + "\n\n" + orderings(root, args[1:]))
     return 0
 
 
