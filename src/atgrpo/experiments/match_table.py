@@ -60,7 +60,7 @@ class Tally:
 def _text(seeds: list[Tally]) -> str:
     """The seeds' games pooled: the win rate with its interval, the games, the invalid moves."""
     total = sum(seeds, Tally())
-    rate = counts_interval([t.wins for t in seeds], [t.games for t in seeds])
+    rate = counts_interval(*_counts(seeds))
     invalid = total.invalid / total.moves if total.moves else 0.0
     return (
         f"{100 * rate.mean:.1f} % [{100 * rate.low:.1f}, {100 * rate.high:.1f}] of "
