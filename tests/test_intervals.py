@@ -9,6 +9,7 @@ from atgrpo.experiments.intervals import (
     counts_difference,
     counts_interval,
     difference_interval,
+    newcombe,
     report_gain,
     report_interval,
     success_interval,
@@ -102,3 +103,18 @@ def test_a_counts_difference_is_clear_of_0_only_when_the_seeds_agree() -> None:
     lucky = counts_difference(([140, 44, 44], [200, 200, 200]), untrained)
     assert lucky.low < 0 < lucky.high  # one seed of three: not shown
     assert counts_difference(untrained, trained).high < 0
+
+
+def test_counts_at_0_keep_the_score_interval_that_the_resampling_loses() -> None:
+    # Every seed at 0 % resamples to 0 % alone: 0 of 150 games is not a certainty.
+    none = counts_interval([0, 0, 0], [50, 50, 50])
+    assert none.mean == 0.0 and (none.low, none.high) == pytest.approx(wilson(0, 150))
+    assert none.high > 0.02
+    both_zero = counts_difference(([0, 0, 0], [50, 50, 50]), ([0], [50]))
+    assert both_zero.low < 0 < both_zero.high  # not "+0.0 [+0.0, +0.0]"
+    floor = newcombe((0, 150), (0, 50))
+    assert (both_zero.low, both_zero.high) == pytest.approx((floor.low, floor.high))
+    # Newcombe's interval, hybrid score (method 10): 56/70 minus 48/80, [0.0524, 0.3339]
+    textbook = newcombe((56, 70), (48, 80))
+    assert textbook.mean == pytest.approx(0.2)
+    assert (textbook.low, textbook.high) == pytest.approx((0.0524, 0.3339), abs=1e-4)

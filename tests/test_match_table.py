@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from atgrpo.experiments.match_table import Tally, orderings, own_seats, table
 
 
-def _seat(policy: str, seat: str, wins: int, games: int = 10, invalid: int = 0) -> dict:
+def _seat(
+    policy: str, seat: str, wins: int, games: int = 10, invalid: int = 0, draws: int = 0
+) -> dict:
     return {
         "policy": policy,
         "seat": seat,
         "games": games,
         "wins": wins,
-        "draws": 0,
-        "losses": games - wins,
+        "draws": draws,
+        "losses": games - wins - draws,
         "invalid_moves": invalid,
         "moves": 2 * games,
     }
@@ -82,6 +86,31 @@ def test_the_orderings_set_each_row_against_the_untrained_model_and_the_others(
     assert got[("lucky", "strong")][1] == "overlaps 0"  # one seed of three: not an ordering
     assert got[("strong", "weak")][1] == "above 0"
     assert orderings(tmp_path, ["rule"]).count("\n") == 1  # no rule evaluations: no rows
+
+
+def test_draws_show_beside_the_wins_and_count_with_them_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from atgrpo.experiments.match_table import NOT_LOST, main
+
+    # Against a player that is never beaten: every win rate is 0, the draws are what moved.
+    _write(tmp_path / "untrained", "rule", [_seat("shared", "player_0", 0, games=50)], {})
+    for seed, drawn in enumerate([20, 25, 15]):
+        folder = tmp_path / "runs" / "ttt" / "at-grpo" / f"seed{seed}" / "checkpoints/step-16"
+        _write(folder, "rule", [_seat("shared", "player_0", 0, games=50, draws=drawn)], {})
+    won = table(tmp_path, ["rule"]).splitlines()[2].split(" | ")
+    assert won[2] == "0.0 % [0.0, 7.1] of 50, invalid 0 %"  # no draws: none shown
+    assert won[3] == "seed0 0 %, seed1 0 %, seed2 0 %"
+    assert won[4].startswith("0.0 % [0.0, 2.5] of 150, drawn 40 %")  # Wilson: 0 of 150
+    assert "overlaps 0" in orderings(tmp_path, ["rule"])  # 0 won against 0 won
+    not_lost = table(tmp_path, ["rule"], score=NOT_LOST).splitlines()[2].split(" | ")
+    assert not_lost[3] == "seed0 40 %, seed1 50 %, seed2 30 %"
+    assert not_lost[4].startswith("40.0 % [")
+    ordered = orderings(tmp_path, ["rule"], score=NOT_LOST)
+    assert "| rule | at-grpo | untrained | +40.0 [" in ordered and "above 0" in ordered
+    assert main([str(tmp_path), "rule", "--not-lost"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("rates: games not lost (won or drawn)") and "above 0" in printed
 
 
 def test_training_moves_count_each_quarter_of_the_steps_with_the_primed_prefix(

@@ -17,6 +17,9 @@ tasks.
 * A cell known by counts alone (a match's ``wins[s]`` of ``games[s]`` per seed, no outcome per
   game): Wilson for one seed; for several the same two levels, a drawn seed's games drawn again
   with replacement (a binomial draw at its own rate). Differences of such cells are unpaired.
+  The resampling cannot move a rate of 0 or 1 (every seed at 0 % resamples to 0 %), so such an
+  interval is never narrower than the score interval over the games pooled: Wilson's for a
+  rate, Newcombe's (Wilson's of each side) for a difference.
 
 Resamples come from a seeded generator, so a table is reproducible.
 """
@@ -115,7 +118,8 @@ def counts_interval(
         return Interval(mean, *wilson(float(won[0]), int(played[0])), "wilson")
     rates = _count_rates(won, played, resamples, np.random.default_rng(seed))
     low, high = np.percentile(rates, [2.5, 97.5])
-    return Interval(mean, float(low), float(high), "bootstrap")
+    score_low, score_high = wilson(float(won.sum()), int(played.sum()))
+    return Interval(mean, min(float(low), score_low), max(float(high), score_high), "bootstrap")
 
 
 def counts_difference(
@@ -130,8 +134,20 @@ def counts_difference(
     rng = np.random.default_rng(seed)
     diffs = _count_rates(wa, ga, resamples, rng) - _count_rates(wb, gb, resamples, rng)
     low, high = np.percentile(diffs, [2.5, 97.5])
-    mean = float(wa.sum() / ga.sum() - wb.sum() / gb.sum())
-    return Interval(mean, float(low), float(high), "bootstrap")
+    score = newcombe((int(wa.sum()), int(ga.sum())), (int(wb.sum()), int(gb.sum())))
+    low, high = min(float(low), score.low), max(float(high), score.high)
+    return Interval(score.mean, low, high, "bootstrap")
+
+
+def newcombe(a: tuple[int, int], b: tuple[int, int]) -> Interval:
+    """``a``'s rate minus ``b``'s (each ``(successes, trials)``, independent) with Newcombe's
+    hybrid score interval: each side's Wilson interval, combined."""
+    (sa, na), (sb, nb) = a, b
+    pa, pb = sa / na, sb / nb
+    (la, ua), (lb, ub) = wilson(sa, na), wilson(sb, nb)
+    low = pa - pb - math.sqrt((pa - la) ** 2 + (ub - pb) ** 2)
+    high = pa - pb + math.sqrt((ua - pa) ** 2 + (pb - lb) ** 2)
+    return Interval(pa - pb, low, high, "newcombe")
 
 
 def _counts(wins: list[int], games: list[int]) -> tuple[np.ndarray, np.ndarray]:

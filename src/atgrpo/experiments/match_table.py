@@ -15,6 +15,11 @@ clear of 0::
 
     python -m atgrpo.experiments.match_table runs/compare-textarena-kuhn random rule
 
+A game with draws shows each cell's drawn games beside its won ones. ``--not-lost`` counts a
+draw with the wins (the rate of games not lost), for an opponent that is rarely beaten, such
+as Tic-Tac-Toe's rule-based player: there the win rate of every row is 0 and what training can
+move is how often the game ends drawn rather than lost.
+
 ``--moves`` prints instead what each run played in training, from its ``samples.jsonl``: the
 bracketed moves of every sampled answer (the primed ``env.answer_prefix`` in front), counted by
 quarter of the run's steps, invalid moves apart. A run whose samples are one move throughout has
@@ -39,32 +44,44 @@ from atgrpo.experiments.intervals import Interval, counts_difference, counts_int
 _MOVE = re.compile(r"\[([^\[\]]*)\]")  # TextArena's bracketed move: the first one counts
 
 
+WON, NOT_LOST = "won", "not lost"  # what a rate counts: the wins, or the wins and the draws
+
+
 @dataclass(frozen=True)
 class Tally:
-    """A side's games against one opponent: wins among games, invalid among its moves."""
+    """A side's games against one opponent: wins and draws among games, invalid among its
+    moves."""
 
     wins: int = 0
     games: int = 0
     invalid: int = 0
     moves: int = 0
+    draws: int = 0
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(
-            self.wins + other.wins,
-            self.games + other.games,
-            self.invalid + other.invalid,
-            self.moves + other.moves,
+            wins=self.wins + other.wins,
+            games=self.games + other.games,
+            invalid=self.invalid + other.invalid,
+            moves=self.moves + other.moves,
+            draws=self.draws + other.draws,
         )
 
+    def counted(self, score: str) -> int:
+        """The games ``score`` counts: won (:data:`WON`), or won or drawn (:data:`NOT_LOST`)."""
+        return self.wins + self.draws if score == NOT_LOST else self.wins
 
-def _text(seeds: list[Tally]) -> str:
-    """The seeds' games pooled: the win rate with its interval, the games, the invalid moves."""
+
+def _text(seeds: list[Tally], score: str) -> str:
+    """The seeds' games pooled: the rate with its interval, the games, the draws where the game
+    has any, the invalid moves."""
     total = sum(seeds, Tally())
-    rate = counts_interval(*_counts(seeds))
+    rate = counts_interval(*_counts(seeds, score))
     invalid = total.invalid / total.moves if total.moves else 0.0
+    drawn = f", drawn {100 * total.draws / total.games:.0f} %" if total.draws else ""
     return (
         f"{100 * rate.mean:.1f} % [{100 * rate.low:.1f}, {100 * rate.high:.1f}] of "
-        f"{total.games}, invalid {100 * invalid:.0f} %"
+        f"{total.games}{drawn}, invalid {100 * invalid:.0f} %"
     )
 
 
@@ -76,7 +93,13 @@ def own_seats(record: dict[str, Any]) -> Tally:
     for seat in record["seats"]:
         if routing and routing.get(seat["seat"]) != seat["policy"]:
             continue
-        total += Tally(seat["wins"], seat["games"], seat["invalid_moves"], seat["moves"])
+        total += Tally(
+            wins=seat["wins"],
+            games=seat["games"],
+            invalid=seat["invalid_moves"],
+            moves=seat["moves"],
+            draws=seat["draws"],
+        )
     return total
 
 
@@ -97,8 +120,9 @@ def _methods(root: Path) -> list[tuple[Path, list[Path]]]:
     return [(m, sorted(p for p in m.glob("seed*") if p.is_dir())) for m in methods]
 
 
-def table(root: Path, opponents: list[str], split: str = "test") -> str:
-    """The Markdown table: a row per trained method and opponent, before and after training."""
+def table(root: Path, opponents: list[str], split: str = "test", score: str = WON) -> str:
+    """The Markdown table: a row per trained method and opponent, before and after training;
+    the rates count the games ``score`` names (:meth:`Tally.counted`)."""
     lines = [
         "| method | opponent | before training | after, per seed | after, seeds pooled |",
         "|---|---|---|---|---|",
@@ -109,20 +133,20 @@ def table(root: Path, opponents: list[str], split: str = "test") -> str:
             after = {s.name: _tally(s, opponent, split) for s in seeds}
             done = [t for t in after.values() if t is not None]
             per_seed = ", ".join(
-                f"{name} {100 * t.wins / t.games:.0f} %" if t and t.games else f"{name} -"
+                f"{name} {100 * t.counted(score) / t.games:.0f} %" if t and t.games else f"{name} -"
                 for name, t in after.items()
             )
             lines.append(
-                f"| {method.name} | {opponent} | {_text([before]) if before else '-'} "
-                f"| {per_seed} | {_text(done) if done else '-'} |"
+                f"| {method.name} | {opponent} | {_text([before], score) if before else '-'} "
+                f"| {per_seed} | {_text(done, score) if done else '-'} |"
             )
     return "\n".join(lines)
 
 
-def orderings(root: Path, opponents: list[str], split: str = "test") -> str:
+def orderings(root: Path, opponents: list[str], split: str = "test", score: str = WON) -> str:
     """Each trained row minus the untrained model, and minus every other row, per opponent:
-    the difference in win rate (points) with its 95 % interval (module docstring) and where it
-    lies: ``above`` or ``below`` 0, or ``overlaps`` 0."""
+    the difference in the rate of games ``score`` counts (points) with its 95 % interval
+    (module docstring) and where it lies: ``above`` or ``below`` 0, or ``overlaps`` 0."""
     lines = [
         "| opponent | row | minus | difference, points [95 %] | seeds | interval |",
         "|---|---|---|---|---|---|",
@@ -136,14 +160,14 @@ def orderings(root: Path, opponents: list[str], split: str = "test") -> str:
         for a, b in pairs:
             if not cells[a] or not cells[b]:
                 continue
-            diff = counts_difference(_counts(cells[a]), _counts(cells[b]))
+            diff = counts_difference(_counts(cells[a], score), _counts(cells[b], score))
             runs = f"{len(cells[a])} and {len(cells[b])}"
             lines.append(f"| {opponent} | {a} | {b} | {_points(diff)} | {runs} | {_where(diff)} |")
     return "\n".join(lines)
 
 
-def _counts(seeds: list[Tally]) -> tuple[list[int], list[int]]:
-    return [t.wins for t in seeds], [t.games for t in seeds]
+def _counts(seeds: list[Tally], score: str) -> tuple[list[int], list[int]]:
+    return [t.counted(score) for t in seeds], [t.games for t in seeds]
 
 
 def _points(diff: Interval) -> str:
@@ -203,11 +227,12 @@ def moves_table(root: Path) -> str:
 
 def main(argv: list[str]) -> int:
     moves = "--moves" in argv
-    args = [a for a in argv if a != "--moves"]
+    score = NOT_LOST if "--not-lost" in argv else WON
+    args = [a for a in argv if a not in ("--moves", "--not-lost")]
     if not args or (len(args) < 2 and not moves):
         print(
-            "usage: python -m atgrpo.experiments.match_table ROOT OPPONENT...  "
-            "(or ROOT --moves: the moves each run played in training)",
+            "usage: python -m atgrpo.experiments.match_table ROOT OPPONENT... [--not-lost: "
+            "count draws with wins]  (or ROOT --moves: the moves each run played in training)",
             file=sys.stderr,
         )
         return 2
@@ -215,7 +240,9 @@ def main(argv: list[str]) -> int:
     if moves:
         print(moves_table(root))
         return 0
-    print(table(root, args[1:]) + "\n\n" + orderings(root, args[1:]))
+    if score == NOT_LOST:
+        print("rates: games not lost (won or drawn)\n")
+    print(table(root, args[1:], score=score) + "\n\n" + orderings(root, args[1:], score=score))
     return 0
 
 
