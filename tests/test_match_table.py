@@ -108,9 +108,12 @@ def test_draws_show_beside_the_wins_and_count_with_them_when_asked(
     assert not_lost[4].startswith("40.0 % [")
     ordered = orderings(tmp_path, ["rule"], score=NOT_LOST)
     assert "| rule | at-grpo | untrained | +40.0 [" in ordered and "above 0" in ordered
-    assert main([str(tmp_path), "rule", "--not-lost"]) == 0
-    printed = capsys.readouterr().out
-    assert printed.startswith("rates: games not lost (won or drawn)") and "above 0" in printed
+    assert main([str(tmp_path), "rule"]) == 0  # the won tables, then the not-lost ones
+    won_part, not_lost_part = capsys.readouterr().out.split("Games not lost (won or drawn):")
+    assert "above 0" not in won_part and "above 0" in not_lost_part
+    _write(tmp_path / "untrained", "random", [_seat("shared", "player_0", 5)], {})
+    assert main([str(tmp_path), "random"]) == 0  # no draws there: no second part
+    assert "not lost" not in capsys.readouterr().out
 
 
 def test_training_moves_count_each_quarter_of_the_steps_with_the_primed_prefix(

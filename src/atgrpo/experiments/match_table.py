@@ -15,10 +15,10 @@ clear of 0::
 
     python -m atgrpo.experiments.match_table runs/compare-textarena-kuhn random rule
 
-A game with draws shows each cell's drawn games beside its won ones. ``--not-lost`` counts a
-draw with the wins (the rate of games not lost), for an opponent that is rarely beaten, such
-as Tic-Tac-Toe's rule-based player: there the win rate of every row is 0 and what training can
-move is how often the game ends drawn rather than lost.
+A game with draws shows each cell's drawn games beside its won ones, and below come the same
+two tables with a draw counted as a game not lost (won or drawn): against an opponent that is
+rarely beaten, such as Tic-Tac-Toe's rule-based player, every win rate is 0 and what training
+can move is how often a game ends drawn rather than lost.
 
 ``--moves`` prints instead what each run played in training, from its ``samples.jsonl``: the
 bracketed moves of every sampled answer (the primed ``env.answer_prefix`` in front), counted by
@@ -227,23 +227,33 @@ def moves_table(root: Path) -> str:
 
 def main(argv: list[str]) -> int:
     moves = "--moves" in argv
-    score = NOT_LOST if "--not-lost" in argv else WON
-    args = [a for a in argv if a not in ("--moves", "--not-lost")]
+    args = [a for a in argv if a != "--moves"]
     if not args or (len(args) < 2 and not moves):
         print(
-            "usage: python -m atgrpo.experiments.match_table ROOT OPPONENT... [--not-lost: "
-            "count draws with wins]  (or ROOT --moves: the moves each run played in training)",
+            "usage: python -m atgrpo.experiments.match_table ROOT OPPONENT...  "
+            "(or ROOT --moves: the moves each run played in training)",
             file=sys.stderr,
         )
         return 2
-    root = Path(args[0])
+    root, opponents = Path(args[0]), args[1:]
     if moves:
         print(moves_table(root))
         return 0
-    if score == NOT_LOST:
-        print("rates: games not lost (won or drawn)\n")
-    print(table(root, args[1:], score=score) + "\n\n" + orderings(root, args[1:], score=score))
+    print(table(root, opponents) + "\n\n" + orderings(root, opponents))
+    if _any_draws(root, opponents):
+        print("\nGames not lost (won or drawn):\n")
+        print(
+            table(root, opponents, score=NOT_LOST)
+            + "\n\n"
+            + orderings(root, opponents, score=NOT_LOST)
+        )
     return 0
+
+
+def _any_draws(root: Path, opponents: list[str], split: str = "test") -> bool:
+    folders = [root / "untrained"] + [s for _, seeds in _methods(root) for s in seeds]
+    tallies = (_tally(f, opponent, split) for f in folders for opponent in opponents)
+    return any(t is not None and t.draws for t in tallies)
 
 
 if __name__ == "__main__":
